@@ -1,0 +1,55 @@
+"""The ``fullband`` command line: one sub-command per module, each module owning its options.
+
+Every command module exposes ``add_parser(subparsers)``, which registers its sub-command and sets
+``func`` (called with the parsed arguments; returns an exit code). Errors a user can fix (``ValueError``,
+``FileNotFoundError``, :class:`UsageError`) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command modules, in the order `fullband --help` lists them
+COMMAND_MODULES = [
+    "fullband.info",
+]
+
+
+class UsageError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="fullband",
+        description="Full-bandwidth transformer: latent feedback on Hugging Face causal LMs.",
+    )
+    parser.add_argument("--version", action="version", version=f"fullband {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
+        print(f"fullband {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fullband {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Latent feedback itself: the fusion modules, the masks that say where to fuse, and the fed-back state.
+
+Owns
+* the fusion of the previous position's final hidden state ``h_{t-1}`` with the token embedding ``e_t``
+  (``glu`` = the paper's Eq. 4, plus the ``concat`` and ``add`` ablations), all with one call signature
+  ``fusion(prev_hidden, token_embeds) -> inputs_embeds``;
+* the feedback mask (where a position has a previous state: never at position 0, a document start / BOS,
+  or padding, nor right after padding), per-document prefix mixing, and document segmentation;
+* shifting a pass's hidden states right by one and the training-time jitter on the fed-back state.
+
+Scale. A pretrained backbone's token embeddings are far from RMS 1 (a random Llama init has RMS 0.02, GPT-2
+about 0.14). Every fusion is therefore initialised so that its output has the RMS of the backbone's own
+embedding matrix (``embed_rms``, measured once when the model is built and stored in the config): the ``glu``
+fusion ends in an RMSNorm whose gain is initialised to ``embed_rms`` (so RMS(u_t) == embed_rms exactly at
+init); ``concat`` starts as the identity on ``e`` plus a small ``W h`` term and ``add`` as ``e + W h`` with
+``W h`` about a tenth of ``embed_rms``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+FUSIONS = ("glu", "concat", "add")
+
+
+class GLUFusion(nn.Module):
+    """Paper Eq. 4: ``u_t = norm(W_U h_{t-1} * sigmoid(W_G norm(e_t)))``.
+
+    The hidden state is the value path; the token only enters through the sigmoid gate, which depends on the
+    token alone and can therefore be precomputed once per vocabulary entry at inference (:meth:`gate`).
+    """
+
+    def __init__(self, hidden_size: int, embed_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.embed_norm = nn.RMSNorm(embed_dim, eps=eps, elementwise_affine=False)
+        self.gate_proj = nn.Linear(embed_dim, embed_dim, bias=False)  # W_G
+        self.value_proj = nn.Linear(hidden_size, embed_dim, bias=False)  # W_U
+        self.out_norm = nn.RMSNorm(embed_dim, eps=eps)
+
+    @torch.no_grad()
+    def reset_parameters(self, embed_rms: float) -> None:
+        nn.init.normal_(self.gate_proj.weight, std=1.0 / math.sqrt(self.gate_proj.in_features))
+        nn.init.normal_(self.value_proj.weight, std=1.0 / math.sqrt(self.value_proj.in_features))
+        nn.init.constant_(self.out_norm.weight, embed_rms)
+
+    def gate(self, token_embeds: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(W_G norm(e))``: a function of the token alone."""
+        return torch.sigmoid(self.gate_proj(self.embed_norm(token_embeds)))
+
+    def fuse_gated(self, prev_hidden: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The per-token part once the gate is known: ``norm(W_U h * gate)``."""
+        return self.out_norm(self.value_proj(prev_hidden) * gate)
+
+    def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return self.fuse_gated(prev_hidden, self.gate(token_embeds))
+
+
+class ConcatFusion(nn.Module):
+    """Ablation: a linear map of ``[e; h]``, initialised to ``e + W_h h`` with a small ``W_h``."""
+
+    def __init__(self, hidden_size: int, embed_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.proj = nn.Linear(embed_dim + hidden_size, embed_dim, bias=False)
+        self.embed_dim = embed_dim
+
+    @torch.no_grad()
+    def reset_parameters(self, embed_rms: float) -> None:
+        d, w = self.embed_dim, self.proj.weight
+        w.zero_()
+        w[:, :d].copy_(torch.eye(d, dtype=w.dtype, device=w.device))
+        nn.init.normal_(w[:, d:], std=0.1 * embed_rms / math.sqrt(w.shape[1] - d))
+
+    def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([token_embeds, prev_hidden.to(token_embeds.dtype)], dim=-1))
+
+
+class AddFusion(nn.Module):
+    """Ablation: ``e + W h``, with ``W h`` about a tenth of the embeddings' RMS at init."""
+
+    def __init__(self, hidden_size: int, embed_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, embed_dim, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, embed_rms: float) -> None:
+        nn.init.normal_(self.proj.weight, std=0.1 * embed_rms / math.sqrt(self.proj.in_features))
+
+    def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return token_embeds + self.proj(prev_hidden)
+
+
+_FUSION_CLASSES = {"glu": GLUFusion, "concat": ConcatFusion, "add": AddFusion}
+
+
+def check_fusion_name(name: str) -> str:
+    if name not in _FUSION_CLASSES:
+        raise ValueError(f"unknown fusion {name!r}: choose one of {', '.join(FUSIONS)}")
+    return name
+
+
+def build_fusion(name: str, hidden_size: int, embed_dim: int, eps: float = 1e-6) -> nn.Module:
+    return _FUSION_CLASSES[check_fusion_name(name)](hidden_size, embed_dim, eps)
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+def shift_right(hidden: torch.Tensor) -> torch.Tensor:
+    """``out[:, t] = hidden[:, t-1]``; position 0 gets zeros (it is never fused anyway)."""
+    return torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+
+
+def jitter(state: torch.Tensor, scale: float) -> torch.Tensor:
+    """Add uniform noise in ``±scale · RMS(state)`` (RMS per vector, no gradient through it)."""
+    if scale <= 0:
+        return state
+    rms = state.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(state.dtype)
+    return state + (torch.rand_like(state) * 2 - 1) * (scale * rms)
+
+
+def fuse_where(mask: torch.Tensor, fused: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+    """Fused input where ``mask`` is True, the plain embedding elsewhere."""
+    return torch.where(mask.unsqueeze(-1), fused.to(token_embeds.dtype), token_embeds)
+
+
+# ----------------------------------------------------------------------------------------------- masks
+
+
+def document_starts(input_ids: torch.Tensor, doc_start_token_id: int | None = None,
+                    attention_mask: torch.Tensor | None = None, has_prev_state: bool = False) -> torch.Tensor:
+    """Bool ``[B, T]``: True where a position has no previous state to take.
+
+    That is every ``doc_start_token_id`` (BOS), the first real token after padding, and position 0 unless
+    ``has_prev_state`` (a continuation whose previous position's state is known, as in cached decoding).
+    ``attention_mask`` may be longer than ``input_ids`` (cached tokens first); its column just before the
+    current tokens then says whether the previous position was real.
+    """
+    B, T = input_ids.shape
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    if doc_start_token_id is not None:
+        starts |= input_ids == doc_start_token_id
+    if not has_prev_state:
+        starts[:, 0] = True
+    if attention_mask is not None:
+        mask = attention_mask.bool()
+        real = mask[:, -T:]
+        starts[:, 1:] |= real[:, 1:] & ~real[:, :-1]
+        if has_prev_state and mask.shape[1] > T:
+            starts[:, 0] |= ~mask[:, -T - 1]
+    return starts
+
+
+def build_feedback_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        doc_start_token_id: int | None = None, has_prev_state: bool = False) -> torch.Tensor:
+    """Bool ``[B, T]``: where a position may take the previous position's state.
+
+    False at position 0 (unless ``has_prev_state``), at document starts (BOS), at padding and at the first
+    token after padding, so no state ever crosses a document boundary or comes out of padding.
+    """
+    mask = ~document_starts(input_ids, doc_start_token_id, attention_mask, has_prev_state)
+    if attention_mask is not None:
+        mask &= attention_mask[:, -input_ids.shape[1]:].bool()
+    return mask
+
+
+def prefix_mixing_mask(doc_starts: torch.Tensor, probability: float,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """Bool ``[B, T]``, True where a position keeps its plain embedding because of prefix mixing.
+
+    Each document (a segment starting at a True of ``doc_starts``; position 0 always starts one) is chosen with
+    ``probability``; a chosen document of length n keeps a plain prefix of length uniform in 1..n. The draws
+    come from ``generator`` (a fixed number of draws per call, so a seeded generator gives the same masks).
+    """
+    if not 0.0 <= probability <= 1.0:
+        raise ValueError(f"prefix-mixing probability must be in [0, 1], got {probability}")
+    B, T = doc_starts.shape
+    device = doc_starts.device
+    starts = doc_starts.clone()
+    starts[:, 0] = True
+    seg = starts.long().cumsum(1) - 1 + torch.arange(B, device=device).unsqueeze(1) * T  # global segment id
+    pos = torch.arange(T, device=device).expand(B, T)
+    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(1).values
+    offset = pos - start_pos
+    seg_len = torch.zeros(B * T, dtype=torch.long, device=device).scatter_add_(0, seg.flatten(),
+                                                                              torch.ones_like(seg.flatten()))
+    draws = torch.rand(2, B * T, generator=generator, device=generator.device if generator else "cpu").to(device)
+    chosen = draws[0] < probability
+    prefix = (draws[1] * seg_len).floor().long() + 1
+    return chosen[seg] & (offset < prefix[seg])

@@ -1,0 +1,303 @@
+"""``FullBandwidthForCausalLM``: latent feedback wrapped around any Hugging Face decoder-only causal LM.
+
+Owns the model class (a ``PreTrainedModel`` with ``GenerationMixin``), retrofitting an existing backbone
+(:meth:`FullBandwidthForCausalLM.from_backbone`), the K-pass teacher-forced forward and the exact
+token-by-token recurrence (:meth:`FullBandwidthForCausalLM.recurrent_forward`) that every fast path is tested
+against. The backbone is used as it is: architecture, KV cache and LM head are untouched; the only new module is
+``model.feedback`` (see :mod:`fullband.feedback`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.utils import ModelOutput
+
+from .configuration import FullBandwidthConfig
+from .feedback import build_feedback_mask, build_fusion, fuse_where, jitter, shift_right
+from .objective import combine_pass_losses
+
+
+@dataclass
+class FullBandwidthOutput(ModelOutput):
+    """Output of a K-pass forward.
+
+    ``loss`` = ``L_1 + λ·mean(L_2..L_K)``; ``logits`` and ``last_hidden_state`` (the final hidden states, the
+    ones the LM head reads) are the last pass's; ``pass_losses`` holds the K per-pass losses (detached).
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    pass_losses: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    cache: Cache | None = None
+
+
+def max_positions(config) -> int | None:
+    """The backbone's hard position limit, where its config states one."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions that skip padding (left padding starts at 0), for the last ``length`` columns of the mask."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp(min=0)[:, -length:]
+
+
+class FullBandwidthPreTrainedModel(PreTrainedModel):
+    config: FullBandwidthConfig
+    config_class = FullBandwidthConfig
+    base_model_prefix = "fullband"
+    supports_gradient_checkpointing = True
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
+class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, GenerationMixin):
+    """A decoder-only causal LM whose input at step t fuses the previous position's final hidden state.
+
+    ``model.backbone`` is the wrapped ``AutoModelForCausalLM``; ``model.feedback(prev_hidden, token_embeds)``
+    returns the fused ``inputs_embeds``.
+    """
+
+    def __init__(self, config: FullBandwidthConfig, backbone: PreTrainedModel | None = None):
+        super().__init__(config)
+        if backbone is None:
+            backbone = AutoModelForCausalLM.from_config(config.text_config)
+        self.backbone = backbone
+        embeddings = backbone.get_input_embeddings()
+        head = backbone.get_output_embeddings()
+        embed_dim = embeddings.embedding_dim
+        hidden_size = head.in_features if head is not None else embed_dim
+        if config.embed_rms is None:
+            config.embed_rms = float(embeddings.weight.detach().float().pow(2).mean().sqrt())
+        eps = float(getattr(config.text_config, "rms_norm_eps", None) or getattr(config.text_config, "layer_norm_epsilon", None) or 1e-6)
+        self.feedback = build_fusion(config.fusion, hidden_size, embed_dim, eps)
+        self.feedback.reset_parameters(config.embed_rms)
+        self.feedback.to(dtype=embeddings.weight.dtype, device=embeddings.weight.device)
+        self.post_init()
+
+    # ------------------------------------------------------------------ construction
+
+    def _init_weights(self, module):
+        # The backbone initialises itself (it is a PreTrainedModel of its own); the fusion is initialised in
+        # __init__ (FusionModule.reset_parameters), and a checkpoint's weights are loaded over it.
+        pass
+
+    @classmethod
+    def from_backbone(cls, backbone_or_path, fusion: str = "glu", **feedback_kwargs) -> "FullBandwidthForCausalLM":
+        """Retrofit latent feedback onto an existing causal LM (an object, or a local directory).
+
+        The backbone's weights are kept as they are; only the fusion module is new. ``feedback_kwargs`` are
+        :class:`FullBandwidthConfig` fields (``feedback_weight``, ``jitter``, ``detach_state``, ...).
+        """
+        known = {f.name for f in fields(FullBandwidthConfig)} - {"text_config", "fusion"}
+        unknown = sorted(set(feedback_kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown feedback setting(s) {unknown}; known: {sorted(known - set(dir(PreTrainedModel)))}")
+        if isinstance(backbone_or_path, (str, os.PathLike)):
+            path = os.fspath(backbone_or_path)
+            if not os.path.isdir(path):
+                raise ValueError(f"backbone directory {path!r} does not exist (give a local HF checkpoint directory)")
+            backbone = AutoModelForCausalLM.from_pretrained(path)
+        else:
+            backbone = backbone_or_path
+        if isinstance(backbone, FullBandwidthForCausalLM):
+            raise ValueError("that model already has latent feedback; load it with FullBandwidthForCausalLM.from_pretrained")
+        if not isinstance(backbone, PreTrainedModel) or backbone.get_input_embeddings() is None:
+            raise ValueError(f"expected a Hugging Face causal LM (PreTrainedModel with input embeddings), got {type(backbone).__name__}")
+        # a config's attention choice is set recursively on its sub-configs: keep the backbone's own
+        config = FullBandwidthConfig(text_config=backbone.config, fusion=fusion,
+                                     attn_implementation=backbone.config._attn_implementation, **feedback_kwargs)
+        return cls(config, backbone=backbone)
+
+    def get_input_embeddings(self):
+        return self.backbone.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.backbone.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.backbone.get_output_embeddings()
+
+    def set_output_embeddings(self, value):
+        self.backbone.set_output_embeddings(value)
+
+    @property
+    def doc_start_token_id(self) -> int | None:
+        return self.config.doc_start_token_id
+
+    # ------------------------------------------------------------------ checks
+
+    def check_inputs(self, input_ids, attention_mask=None, labels=None, feedback_mask=None,
+                     num_passes: int = 1, past_length: int = 0) -> None:
+        """Raise ``ValueError`` saying what to fix for malformed inputs."""
+        if not isinstance(num_passes, int) or isinstance(num_passes, bool) or num_passes < 1:
+            raise ValueError(f"num_passes must be an integer >= 1, got {num_passes!r}")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        vocab = self.get_input_embeddings().num_embeddings
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            bad = int(input_ids.max()) if int(input_ids.max()) >= vocab else int(input_ids.min())
+            raise ValueError(f"input_ids contain id {bad}, outside the backbone's vocabulary of {vocab} entries "
+                             "(was the text tokenized with this model's tokenizer?)")
+        B, T = input_ids.shape
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                                           or attention_mask.shape[1] != past_length + T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but must be "
+                             f"({B}, {past_length + T}) for input_ids of shape {(B, T)} after {past_length} cached tokens")
+        for name, t in (("labels", labels), ("feedback_mask", feedback_mask)):
+            if t is not None and tuple(t.shape) != (B, T):
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {(B, T)}; they must match")
+        limit = max_positions(self.config.text_config)
+        if limit is not None and past_length + T > limit:
+            raise ValueError(f"sequence of {past_length + T} tokens exceeds the backbone's {limit} positions; "
+                             "truncate the input")
+
+    # ------------------------------------------------------------------ forward
+
+    def _backbone_pass(self, inputs_embeds, attention_mask, position_ids, cache=None, use_cache=False,
+                       logits_to_keep=0, **kwargs):
+        out = self.backbone(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                            cache=cache, use_cache=use_cache, output_hidden_states=True,
+                            logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+        return out.logits, out.hidden_states[-1], out.cache
+
+    def _pass_loss(self, logits, labels, **kwargs):
+        return self.backbone.loss_function(logits=logits, labels=labels,
+                                           vocab_size=self.get_output_embeddings().out_features, **kwargs)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, num_passes: int = 1,
+                feedback_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+                prev_hidden: torch.Tensor | None = None, cache: Cache | None = None,
+                use_cache: bool | None = None, logits_to_keep: int = 0,
+                num_items_in_batch: torch.Tensor | None = None, **kwargs) -> FullBandwidthOutput:
+        """K-pass teacher-forced forward.
+
+        Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
+        the position just before ``input_ids``, is given); pass k > 1 feeds pass k-1's final hidden states
+        shifted right by one wherever ``feedback_mask`` is True (default: :func:`fullband.feedback.build_feedback_mask`).
+        In training mode the fed-back state gets the jitter of ``config.jitter`` and, with
+        ``config.detach_state``, no gradient. A ``cache`` is filled by the last pass only and must then be empty
+        when ``num_passes > 1``.
+        """
+        kwargs.pop("return_dict", None)
+        kwargs.pop("output_hidden_states", None)
+        kwargs.pop("inputs_embeds", None)
+        past_length = cache.get_seq_length() if cache is not None else 0
+        self.check_inputs(input_ids, attention_mask, labels, feedback_mask, num_passes, past_length)
+        if num_passes > 1 and past_length:
+            raise ValueError("num_passes > 1 needs an empty cache: every pass re-reads the whole sequence")
+        B, T = input_ids.shape
+        if feedback_mask is None:
+            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id,
+                                                has_prev_state=prev_hidden is not None)
+        feedback_mask = feedback_mask.bool()
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_from_mask(attention_mask, T)
+        if labels is not None and attention_mask is not None:
+            labels = labels.masked_fill(~attention_mask[:, -T:].bool(), -100)
+
+        token_embeds = self.get_input_embeddings()(input_ids)
+        loss_kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None else {}
+        pass_losses, hidden, logits, out_cache = [], None, None, None
+        for k in range(num_passes):
+            last = k == num_passes - 1
+            if k == 0:
+                state = None
+                if prev_hidden is not None:
+                    state = torch.zeros_like(token_embeds, dtype=prev_hidden.dtype)
+                    state[:, 0] = prev_hidden
+                    pass_mask = feedback_mask.clone()
+                    pass_mask[:, 1:] = False
+            else:
+                state = shift_right(hidden)
+                if prev_hidden is not None:
+                    state[:, 0] = prev_hidden
+                pass_mask = feedback_mask
+            if state is None:
+                inputs = token_embeds
+            else:
+                if self.training:
+                    state = jitter(state, self.config.jitter)
+                if self.config.detach_state:
+                    state = state.detach()
+                inputs = fuse_where(pass_mask, self.feedback(state, token_embeds), token_embeds)
+            keep = logits_to_keep if (last or labels is not None) else 1
+            logits, hidden, step_cache = self._backbone_pass(inputs, attention_mask, position_ids,
+                                                             cache=cache if last else None,
+                                                             use_cache=bool(use_cache) and last,
+                                                             logits_to_keep=keep, **kwargs)
+            if last:
+                out_cache = step_cache
+            if labels is not None:
+                pass_losses.append(self._pass_loss(logits, labels, **loss_kwargs))
+        loss = combine_pass_losses(pass_losses, self.config.feedback_weight) if pass_losses else None
+        return FullBandwidthOutput(
+            loss=loss, logits=logits, last_hidden_state=hidden, cache=out_cache,
+            pass_losses=torch.stack(pass_losses).detach() if pass_losses else None,
+        )
+
+    # ------------------------------------------------------------------ exact reference
+
+    @torch.no_grad()
+    def recurrent_forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                          feedback_mask: torch.Tensor | None = None,
+                          position_ids: torch.LongTensor | None = None) -> FullBandwidthOutput:
+        """The true token-by-token recurrence with the backbone's KV cache: position t takes
+        ``fusion(h_{t-1}, e_t)`` wherever the feedback mask allows (the plain embedding elsewhere), where
+        ``h_{t-1}`` is the final hidden state this very recurrence produced one step earlier.
+        Returns logits ``[B, T, V]`` and ``last_hidden_state`` ``[B, T, d]``. No jitter, no gradient."""
+        self.check_inputs(input_ids, attention_mask, None, feedback_mask)
+        B, T = input_ids.shape
+        if feedback_mask is None:
+            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id)
+        feedback_mask = feedback_mask.bool()
+        if position_ids is None:
+            position_ids = (position_ids_from_mask(attention_mask, T) if attention_mask is not None
+                            else torch.arange(T, device=input_ids.device).expand(B, T))
+        token_embeds = self.get_input_embeddings()(input_ids)
+        cache = DynamicCache(config=self.backbone.config)
+        all_logits, all_hidden, prev = [], [], None
+        for t in range(T):
+            inp = token_embeds[:, t:t + 1]
+            if prev is not None:
+                inp = fuse_where(feedback_mask[:, t:t + 1], self.feedback(prev, inp), inp)
+            logits, prev, cache = self._backbone_pass(
+                inp, attention_mask[:, :t + 1] if attention_mask is not None else None,
+                position_ids[:, t:t + 1], cache=cache, use_cache=True)
+            all_logits.append(logits)
+            all_hidden.append(prev)
+        return FullBandwidthOutput(logits=torch.cat(all_logits, 1), last_hidden_state=torch.cat(all_hidden, 1))
+
+
+def load_model(path: str, **kwargs) -> FullBandwidthForCausalLM:
+    """Load a saved fullband model from a local directory, with a one-line error when it is not one."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} has no config.json: not a saved model (save_pretrained output)")
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type != FullBandwidthConfig.model_type:
+        raise ValueError(f"{path!r} holds a {model_type!r} model, not a fullband one; retrofit it with "
+                         "FullBandwidthForCausalLM.from_backbone or `fullband train --init-from`")
+    return FullBandwidthForCausalLM.from_pretrained(path, **kwargs)

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random backbones of several families, built from configs (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+import fullband
+
+VOCAB = 97
+BOS, EOS, PAD = 1, 2, 0
+
+torch.set_num_threads(1)
+
+
+def tiny_backbone_config(family: str = "llama", vocab_size: int = VOCAB, hidden: int = 32, layers: int = 2):
+    common = dict(vocab_size=vocab_size, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    if family == "llama":
+        return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **common)
+    if family == "qwen2":
+        return Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **common)
+    if family == "mistral":
+        return MistralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             sliding_window=None, **common)
+    if family == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    raise ValueError(family)
+
+
+def tiny_backbone(family: str = "llama", seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_backbone_config(family, **kw)).eval()
+
+
+def tiny_model(family: str = "llama", fusion: str = "glu", seed: int = 0, **feedback_kwargs):
+    backbone = tiny_backbone(family, seed)
+    torch.manual_seed(seed + 1)
+    return fullband.FullBandwidthForCausalLM.from_backbone(backbone, fusion=fusion, **feedback_kwargs).eval()
+
+
+def random_ids(batch: int, length: int, seed: int = 0, bos: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    if bos:
+        ids[:, 0] = BOS
+    return ids
+
+
+FAMILIES = ["llama", "gpt2", "qwen2", "mistral"]
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
