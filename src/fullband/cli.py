@@ -14,6 +14,8 @@ import sys
 # sub-command modules, in the order `fullband --help` lists them
 COMMAND_MODULES = [
     "fullband.info",
+    "fullband.generation",
+    "fullband.bench",
 ]
 
 

@@ -13,12 +13,13 @@ import os
 from dataclasses import dataclass, fields
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from .configuration import FullBandwidthConfig
 from .feedback import build_feedback_mask, build_fusion, fuse_where, jitter, shift_right
+from .generation import FeedbackGenerationMixin
 from .objective import combine_pass_losses
 
 
@@ -63,8 +64,11 @@ class FullBandwidthPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
 
-class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, GenerationMixin):
+class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationMixin):
     """A decoder-only causal LM whose input at step t fuses the previous position's final hidden state.
+
+    ``generate(..., feedback_mode="standard"|"soft"|"fused"|"exact", prefill_passes=1)`` decodes with latent
+    feedback through Hugging Face's ``GenerationMixin`` (see :mod:`fullband.generation`).
 
     ``model.backbone`` is the wrapped ``AutoModelForCausalLM``; ``model.feedback(prev_hidden, token_embeds)``
     returns the fused ``inputs_embeds``.

@@ -1,0 +1,687 @@
+"""Decoding with latent feedback: the decode modes, Hugging Face ``generate()``, and a lean loop of our own.
+
+Owns
+* the decode modes (:data:`MODES`), i.e. how the *prompt* is treated before generation starts; every generated
+  token is fused with the final hidden state of the step before it in all modes but ``standard``:
+
+  - ``standard``: no feedback at all; a feedback-trained model runs as a plain LM (== its backbone);
+  - ``soft``: the prompt is prefilled plainly (one ordinary pass), then each generated token is fused;
+  - ``fused``: the prompt is run once plainly, then ``prefill_passes`` Jacobi passes over it (pass k fuses pass
+    k-1's states, each pass with a fresh cache: only the last pass fills the KV cache), then as ``soft``;
+  - ``exact``: the prompt itself goes through the exact token-by-token recurrence, then as ``soft`` -- prompt and
+    generated tokens are treated alike, so the result equals :meth:`FullBandwidthForCausalLM.recurrent_forward`
+    on the whole sequence.
+
+  Padding (left padding) never fuses and never feeds a state; a document start (BOS, ``config.doc_start_token_id``)
+  is never fused, generated or not -- the same rules as :func:`fullband.feedback.build_feedback_mask`.
+* :class:`FeedbackCache` / :class:`FeedbackStaticCache`: the backbone's KV cache plus the fed-back state (the last
+  final hidden state per row), which follows beam reordering, batch expansion and selection with the KV entries;
+* :class:`FeedbackGenerationMixin`, the ``GenerationMixin`` hooks through which
+  ``model.generate(..., feedback_mode=..., prefill_passes=...)`` works with every Hugging Face decoding strategy
+  that uses a cache and no assistant: greedy, sampling, ``num_return_sequences``, beam search, EOS / stop strings,
+  streamers. (Assisted / prompt-lookup decoding, ``use_cache=False``, static or chunked-prefill caches and
+  continuing from a filled cache are refused with a ``ValueError`` in the feedback modes.)
+* the zero-cost gate (:func:`gate_table`): at inference ``sigmoid(W_G norm(e_t))`` depends on the token alone, so
+  it is computed once per vocabulary entry and looked up; per token only ``W_U h_{t-1}``, a multiply and a norm
+  remain;
+* :func:`generate`, a lean decode loop for throughput (static cache when the backbone supports it, no per-step
+  work that need not be there) with the same semantics, used by ``fullband generate`` and ``fullband bench
+  decode``; and :func:`score`, the teacher-forced log-probabilities of a continuation under a decode mode;
+* the ``fullband generate`` command.
+
+Which mode is the default (``config.default_feedback_mode``): ``soft``. Evidence and reasoning, measured with
+:func:`score` (held-out continuation NLL) and ``fullband bench decode``; see ``DEFAULT_MODE_EVIDENCE`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, StaticCache
+
+from .feedback import GLUFusion, build_feedback_mask
+
+MODES = ("standard", "soft", "fused", "exact")
+FEEDBACK_MODES = ("soft", "fused", "exact")
+
+DEFAULT_MODE_EVIDENCE = """\
+Filled in from measurements; see the module docstring and the project report (fullband bench decode, score()).
+"""
+
+
+# ------------------------------------------------------------------------------------------------ modes
+
+
+def has_feedback(model) -> bool:
+    """Whether ``model`` is a fullband model (a fusion module around a backbone) rather than a plain causal LM."""
+    return getattr(model, "feedback", None) is not None and getattr(model, "backbone", None) is not None
+
+
+def resolve_mode(model, mode: str | None) -> str:
+    """The decode mode to use: ``mode``, else the model's ``config.default_feedback_mode`` (``standard`` for a
+    plain model). Raises ``ValueError`` for an unknown mode or a feedback mode on a model without fusion."""
+    if mode is None:
+        mode = getattr(model.config, "default_feedback_mode", None) if has_feedback(model) else "standard"
+        mode = mode or "standard"
+    if mode not in MODES:
+        raise ValueError(f"unknown decode mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode != "standard" and not has_feedback(model):
+        raise ValueError(f"decode mode {mode!r} needs a model with latent feedback (a fullband model); "
+                         f"{type(model).__name__} has no fusion module -- use mode 'standard'")
+    return mode
+
+
+def _check_prefill_passes(prefill_passes) -> int:
+    if not isinstance(prefill_passes, int) or isinstance(prefill_passes, bool) or prefill_passes < 1:
+        raise ValueError(f"prefill_passes must be an integer >= 1, got {prefill_passes!r}")
+    return prefill_passes
+
+
+def _check_length(model, prompt_length: int, max_new_tokens: int) -> None:
+    from .modeling import max_positions
+
+    config = model.config.text_config if has_feedback(model) else model.config
+    limit = max_positions(config)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        raise ValueError(f"a prompt of {prompt_length} tokens plus up to {max_new_tokens} new tokens exceeds the "
+                         f"backbone's {limit} positions; shorten the prompt or lower max_new_tokens")
+
+
+# ------------------------------------------------------------------------------------------------ cache
+
+
+class FeedbackStateMixin:
+    """Adds the fed-back state to a KV cache: ``feedback_state`` ``[batch, hidden]`` is the final hidden state of the
+    last cached position of each row. Beam reordering, batch expansion and selection move it with the KV entries;
+    cropping one step restores the previous state (kept for that), cropping further forgets it."""
+
+    feedback_state: torch.Tensor | None = None
+    _previous_state: torch.Tensor | None = None
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._previous_state = self.feedback_state
+        self.feedback_state = state
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        if self.feedback_state is not None:
+            self.feedback_state = self.feedback_state.index_select(0, beam_idx.to(self.feedback_state.device))
+        self._previous_state = None
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        if self.feedback_state is not None:
+            self.feedback_state = self.feedback_state.repeat_interleave(repeats, dim=0)
+        self._previous_state = None
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        if self.feedback_state is not None:
+            self.feedback_state = self.feedback_state[indices.to(self.feedback_state.device)]
+        self._previous_state = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        before = int(self.get_seq_length())
+        super().crop(tokens_to_remove)
+        removed = before - int(self.get_seq_length())
+        if removed == 1 and self._previous_state is not None:
+            self.feedback_state, self._previous_state = self._previous_state, None
+        elif removed:
+            self.feedback_state = self._previous_state = None
+
+    def reset(self):
+        super().reset()
+        self.feedback_state = self._previous_state = None
+
+
+class FeedbackCache(FeedbackStateMixin, DynamicCache):
+    """A ``DynamicCache`` that also carries the fed-back state (see :class:`FeedbackStateMixin`)."""
+
+
+class FeedbackStaticCache(FeedbackStateMixin, StaticCache):
+    """A preallocated ``StaticCache`` that also carries the fed-back state (see :class:`FeedbackStateMixin`)."""
+
+
+def cache_bytes(cache) -> dict:
+    """Bytes held by a cache: ``kv`` (keys and values of all layers) and ``state`` (the fed-back state)."""
+    kv = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                kv += t.numel() * t.element_size()
+    state = getattr(cache, "feedback_state", None)
+    return {"kv": kv, "state": state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0}
+
+
+# ------------------------------------------------------------------------------------------------ gate table
+
+_GATE_TABLES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _weight_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
+
+
+def gate_table(fusion: GLUFusion, embedding: nn.Embedding, chunk: int = 4096) -> torch.Tensor:
+    """``sigmoid(W_G norm(E))`` for every vocabulary entry, ``[vocab, embed_dim]``, computed once and cached.
+
+    The cache is keyed on the identity, version counter, dtype and device of ``W_G`` and of the embedding matrix:
+    any in-place update (an optimizer step, ``load_state_dict``) or a move (``.to()``) rebuilds it on the next call;
+    :func:`clear_gate_table` drops it explicitly. Memory: one more ``vocab x embed_dim`` matrix in the weights'
+    dtype (the size of the embedding matrix). Built in chunks, under ``no_grad``.
+    """
+    key = (_weight_key(fusion.gate_proj.weight), _weight_key(embedding.weight))
+    hit = _GATE_TABLES.get(fusion)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    weight = embedding.weight
+    with torch.no_grad():
+        table = torch.empty(weight.shape[0], fusion.gate_proj.out_features, dtype=fusion.gate_proj.weight.dtype,
+                            device=weight.device)
+        for start in range(0, weight.shape[0], chunk):
+            table[start:start + chunk] = fusion.gate(weight[start:start + chunk])
+    _GATE_TABLES[fusion] = (key, table)
+    return table
+
+
+def clear_gate_table(model=None) -> None:
+    """Drop the cached gate table of ``model`` (of every model when ``None``)."""
+    if model is None:
+        _GATE_TABLES.clear()
+    else:
+        _GATE_TABLES.pop(getattr(model, "feedback", model), None)
+
+
+# ------------------------------------------------------------------------------------------------ prefill (HF path)
+
+
+def _positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    from .modeling import position_ids_from_mask
+
+    if attention_mask is not None:
+        return position_ids_from_mask(attention_mask, length)
+    return torch.arange(length, device=device).expand(batch, length)
+
+
+def prefill_forward(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.LongTensor | None, cache, mode: str, prefill_passes: int = 1):
+    """Run the prompt through ``model`` (a fullband model) as ``mode`` says, filling the empty ``cache``.
+
+    Returns a :class:`~fullband.FullBandwidthOutput` with the last position's logits ``[B, 1, V]`` and final hidden
+    state ``[B, 1, d]`` (the state the first generated token is fused with), and the cache.
+    """
+    from .modeling import FullBandwidthOutput
+
+    if mode in ("standard", "soft", "fused"):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                    use_cache=True, num_passes=1 + prefill_passes if mode == "fused" else 1, logits_to_keep=1)
+        return FullBandwidthOutput(logits=out.logits[:, -1:], last_hidden_state=out.last_hidden_state[:, -1:],
+                                   cache=out.cache)
+    if mode != "exact":
+        raise ValueError(f"unknown decode mode {mode!r}")
+    B, P = input_ids.shape
+    feedback_mask = build_feedback_mask(input_ids, attention_mask, model.doc_start_token_id)
+    if position_ids is None:
+        position_ids = _positions(attention_mask, B, P, input_ids.device)
+    position_ids = position_ids.expand(B, -1)
+    prev, out = None, None
+    for t in range(P):
+        out = model(input_ids=input_ids[:, t:t + 1],
+                    attention_mask=attention_mask[:, :t + 1] if attention_mask is not None else None,
+                    position_ids=position_ids[:, t:t + 1], prev_hidden=prev, feedback_mask=feedback_mask[:, t:t + 1],
+                    cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        prev = out.last_hidden_state[:, -1]
+    return FullBandwidthOutput(logits=out.logits[:, -1:], last_hidden_state=out.last_hidden_state[:, -1:], cache=cache)
+
+
+# ------------------------------------------------------------------------------------------------ HF generate() glue
+
+
+class FeedbackGenerationMixin(GenerationMixin):
+    """``GenerationMixin`` with latent feedback: ``generate(..., feedback_mode=..., prefill_passes=1)``.
+
+    How it hooks in: ``feedback_mode`` / ``prefill_passes`` travel as model kwargs; the cache is a
+    :class:`FeedbackCache`; ``_prefill`` treats the prompt as the mode says; after every forward
+    ``_update_model_kwargs_for_generation`` stores the last final hidden state in the cache; the next step's
+    ``prepare_inputs_for_generation`` passes it as ``prev_hidden``, so the new token is fused with it. Beam search's
+    ``cache.reorder_cache`` and batch expansion move the state with the KV entries.
+    """
+
+    def generate(self, *args, feedback_mode: str | None = None, prefill_passes: int = 1, **kwargs):
+        mode = resolve_mode(self, feedback_mode)
+        _check_prefill_passes(prefill_passes)
+        if mode != "standard":
+            if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+                raise ValueError(f"assisted / prompt-lookup decoding is not supported in decode mode {mode!r}; "
+                                 "use feedback_mode='standard'")
+            if kwargs.get("use_cache") is False:
+                raise ValueError(f"decode mode {mode!r} needs use_cache=True: the cache carries the fed-back state")
+            if kwargs.get("cache_implementation") not in (None, "dynamic"):
+                raise ValueError(f"cache_implementation={kwargs['cache_implementation']!r} is not supported by "
+                                 f"generate() in decode mode {mode!r}; use fullband.generation.generate() for a "
+                                 "static cache")
+            if kwargs.get("prefill_chunk_size") is not None:
+                raise ValueError(f"chunked prefill is not supported in decode mode {mode!r}")
+        return super().generate(*args, feedback_mode=mode, prefill_passes=prefill_passes, **kwargs)
+
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        if generation_config.max_length is not None:
+            _check_length(self, input_ids_length, generation_config.max_length - input_ids_length)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        if (model_kwargs.get("feedback_mode", "standard") != "standard" and model_kwargs.get("cache") is None
+                and generation_config.use_cache is not False
+                and generation_config.cache_implementation in (None, "dynamic")):
+            model_kwargs["cache"] = FeedbackCache(config=self.config.get_text_config(decoder=True))
+            return
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                     max_cache_length)
+
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
+        mode = model_kwargs.get("feedback_mode", "standard")
+        if mode == "standard":
+            return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
+        cache = model_kwargs.get("cache")
+        if not isinstance(cache, FeedbackStateMixin):
+            raise ValueError(f"decode mode {mode!r} needs a fullband.generation.FeedbackCache (got "
+                             f"{type(cache).__name__}); pass none and generate() creates one")
+        if int(cache.get_seq_length()):
+            raise ValueError(f"decode mode {mode!r} cannot continue from a filled cache; start from the whole "
+                             "sequence with an empty cache")
+        if getattr(generation_config, "prefill_chunk_size", None) is not None:
+            raise ValueError(f"chunked prefill is not supported in decode mode {mode!r}")
+        if model_kwargs.get("inputs_embeds") is not None:
+            raise ValueError(f"decode mode {mode!r} needs input_ids, not inputs_embeds")
+        return prefill_forward(self, input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
+                               cache, mode, model_kwargs.get("prefill_passes", 1))
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, feedback_mode="standard",
+                                      prefill_passes=1, **kwargs):
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
+        if feedback_mode != "standard":
+            state = getattr(cache, "feedback_state", None)
+            if state is None:
+                raise ValueError(f"decode mode {feedback_mode!r}: the cache holds no fed-back state "
+                                 "(was it cropped or replaced?)")
+            inputs["prev_hidden"] = state
+        return inputs
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False,
+                                            num_new_tokens=1):
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
+                                                                   num_new_tokens)
+        cache = model_kwargs.get("cache")
+        if model_kwargs.get("feedback_mode", "standard") != "standard" and isinstance(cache, FeedbackStateMixin):
+            cache.set_state(outputs.last_hidden_state[:, -1].clone())
+        return model_kwargs
+
+
+# ------------------------------------------------------------------------------------------------ lean loop
+
+_FAST_PATH: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Runner:
+    """The parts of a model the lean loop calls, resolved once per call."""
+
+    def __init__(self, model, mode: str, prefill_passes: int):
+        self.model, self.mode, self.prefill_passes = model, mode, prefill_passes
+        self.fullband = has_feedback(model)
+        self.backbone = model.backbone if self.fullband else model
+        self.embed = self.backbone.get_input_embeddings()
+        self.head = self.backbone.get_output_embeddings()
+        self.base = getattr(self.backbone, "base_model", None)
+        self.fusion = model.feedback if self.fullband else None
+        self.doc_start = model.config.doc_start_token_id if self.fullband else None
+        self.table = (gate_table(self.fusion, self.embed)
+                      if mode != "standard" and isinstance(self.fusion, GLUFusion) else None)
+        self.fast = self._fast_path_ok()
+
+    def _fast_path_ok(self) -> bool:
+        """Decode steps call the backbone's base model and LM head directly when that gives exactly what the full
+        forward gives (head(final hidden state) == logits); checked once per backbone on a 2-token probe."""
+        hit = _FAST_PATH.get(self.backbone)
+        if hit is not None:
+            return hit
+        ok = False
+        if self.base is not None and self.base is not self.backbone and self.head is not None:
+            probe = torch.zeros(1, 2, dtype=torch.long, device=self.embed.weight.device)
+            full = self.backbone(input_ids=probe, output_hidden_states=True, use_cache=False)
+            h = getattr(self.base(input_ids=probe, use_cache=False), "last_hidden_state", None)
+            ok = (h is not None and h.shape == full.hidden_states[-1].shape
+                  and torch.allclose(h, full.hidden_states[-1], atol=1e-6, rtol=1e-5)
+                  and torch.allclose(self.head(h), full.logits, atol=1e-5, rtol=1e-4))
+        _FAST_PATH[self.backbone] = ok
+        return ok
+
+    def forward(self, input_ids, inputs_embeds, attention_mask, position_ids, cache):
+        """One backbone call; returns (last logits [B, V], last final hidden state [B, d])."""
+        if self.fast:
+            h = self.base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                          position_ids=position_ids, cache=cache, use_cache=True).last_hidden_state[:, -1]
+            return self.head(h), h
+        out = self.backbone(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache, use_cache=True, output_hidden_states=True,
+                            logits_to_keep=1)
+        return out.logits[:, -1], out.hidden_states[-1][:, -1]
+
+    def fuse(self, state: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor,
+             allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Input of tokens ``[B]`` that follow ``state`` ``[B, d]``: fused, except at document starts and where
+        ``allowed`` is False."""
+        if self.table is not None:
+            fused = self.fusion.fuse_gated(state, self.table[tokens])
+        else:
+            fused = self.fusion(state, embeds)
+        keep = allowed
+        if self.doc_start is not None:
+            not_start = tokens != self.doc_start
+            keep = not_start if keep is None else keep & not_start
+        fused = fused.to(embeds.dtype)
+        return fused if keep is None else torch.where(keep.unsqueeze(-1), fused, embeds)
+
+    def prefill(self, input_ids, attention_mask, position_ids, cache):
+        B, P = input_ids.shape
+        if self.mode == "fused":
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=True, num_passes=1 + self.prefill_passes, logits_to_keep=1)
+            return out.logits[:, -1], out.last_hidden_state[:, -1]
+        if self.mode == "exact":
+            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start)
+            embeds = self.embed(input_ids)
+            state = logits = None
+            for t in range(P):
+                e = embeds[:, t]
+                u = e if t == 0 else self.fuse(state, input_ids[:, t], e, feedback_mask[:, t])
+                logits, state = self.forward(None, u[:, None], attention_mask[:, :t + 1] if attention_mask is not None
+                                             else None, position_ids[:, t:t + 1], cache)
+            return logits, state
+        return self.forward(input_ids, None, attention_mask, position_ids, cache)
+
+
+def _select(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
+            generator: torch.Generator | None) -> torch.Tensor:
+    if not do_sample:
+        return logits.argmax(-1)
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p (>= 1 token)
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`: ``sequences`` ``[B, P + n]`` (prompt then new tokens, pad after EOS),
+    ``new_tokens`` ``[B, n]``, the per-step ``logits`` ``[B, n, V]`` (fp32) when asked for, timings (seconds, the
+    prefill including the first token's logits) and the cache (KV entries and the fed-back state)."""
+
+    sequences: torch.LongTensor
+    new_tokens: torch.LongTensor
+    logits: torch.Tensor | None
+    mode: str
+    prefill_seconds: float
+    decode_seconds: float
+    cache: object = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.new_tokens.shape[1]
+
+
+def _make_cache(runner: _Runner, implementation: str, max_len: int):
+    if implementation not in ("auto", "static", "dynamic"):
+        raise ValueError(f"unknown cache implementation {implementation!r}: choose auto, static or dynamic")
+    config = runner.backbone.config
+    static_ok = bool(getattr(runner.backbone, "_can_compile_fullgraph", False))
+    if implementation == "static" and not static_ok:
+        raise ValueError(f"{type(runner.backbone).__name__} does not support a static cache; use 'dynamic'")
+    if implementation == "static" or (implementation == "auto" and static_ok):
+        return FeedbackStaticCache(config=config, max_cache_len=max_len)
+    return FeedbackCache(config=config)
+
+
+@torch.inference_mode()
+def _run(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_passes, do_sample, temperature,
+         top_k, top_p, generator, eos_token_id, pad_token_id, stopping, streamer, cache_implementation,
+         output_logits, forced=None):
+    mode = resolve_mode(model, mode)
+    _check_prefill_passes(prefill_passes)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError("input_ids must be an integer tensor [batch, prompt_len]")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if do_sample and (temperature <= 0 or not 0 < top_p <= 1 or top_k < 0):
+        raise ValueError("sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0")
+    B, P = input_ids.shape
+    if P == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    _check_length(model, P, max_new_tokens)
+    device = input_ids.device
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, P):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {(B, P)}")
+        if bool(attention_mask[:, -1].eq(0).any()):
+            raise ValueError("right padding detected: pad prompts on the left for decoding")
+        if bool(attention_mask.bool().all()):
+            attention_mask = None  # no padding: let the backbone use its plain causal path
+    runner = _Runner(model, mode, prefill_passes)
+    N = max_new_tokens
+    if attention_mask is not None:
+        prompt_pos = _positions(attention_mask, B, P, device)
+        positions = torch.cat([prompt_pos, prompt_pos[:, -1:] + 1 + torch.arange(N, device=device)], dim=1)
+        full_mask = torch.cat([attention_mask, attention_mask.new_ones(B, N)], dim=1)
+    else:
+        positions = torch.arange(P + N, device=device).expand(B, P + N)
+        full_mask = None
+    cache = _make_cache(runner, cache_implementation, P + N)
+    eos = None
+    if eos_token_id is not None:
+        eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                              device=device, dtype=torch.long)
+        if pad_token_id is None:
+            pad_token_id = int(eos[0])
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    _sync(device)
+    t0 = time.perf_counter()
+    logits, state = runner.prefill(input_ids, attention_mask, positions[:, :P], cache)
+    _sync(device)
+    t1 = time.perf_counter()
+    new = torch.empty(B, N, dtype=torch.long, device=device)
+    kept = [] if output_logits or forced is not None else None
+    finished = torch.zeros(B, dtype=torch.bool, device=device) if (eos is not None or stopping) else None
+    feedback = mode != "standard"
+    n = 0
+    for i in range(N):
+        if kept is not None:
+            kept.append(logits.float())
+        tok = forced[:, i] if forced is not None else _select(logits, do_sample, temperature, top_k, top_p, generator)
+        if finished is not None:
+            tok = torch.where(finished, torch.full_like(tok, pad_token_id if pad_token_id is not None else 0), tok)
+        new[:, i] = tok
+        n = i + 1
+        if streamer is not None:
+            streamer.put(tok.cpu())
+        if finished is not None:
+            if eos is not None:
+                finished |= torch.isin(tok, eos)
+            if stopping is not None:
+                finished |= stopping(torch.cat([input_ids, new[:, :n]], dim=1), None).to(device)
+            if bool(finished.all()):
+                break
+        if i == N - 1:
+            break
+        pos = positions[:, P + i:P + i + 1]
+        mask = full_mask[:, :P + i + 1] if full_mask is not None else None
+        if feedback:
+            e = runner.embed(tok)
+            logits, state = runner.forward(None, runner.fuse(state, tok, e)[:, None], mask, pos, cache)
+        else:
+            logits, state = runner.forward(tok[:, None], None, mask, pos, cache)
+    _sync(device)
+    t2 = time.perf_counter()
+    if feedback:
+        cache.set_state(state)
+    if streamer is not None:
+        streamer.end()
+    new = new[:, :n]
+    return GenerationResult(sequences=torch.cat([input_ids, new], dim=1), new_tokens=new,
+                            logits=torch.stack(kept, dim=1) if kept else None, mode=mode, prefill_seconds=t1 - t0,
+                            decode_seconds=t2 - t1, cache=cache)
+
+
+def generate(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, *,
+             mode: str | None = None, max_new_tokens: int = 32, prefill_passes: int = 1, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             generator: torch.Generator | None = None, eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None, ignore_eos: bool = False,
+             stopping: Callable[[torch.LongTensor, None], torch.Tensor] | None = None, streamer=None,
+             cache_implementation: str = "auto", output_logits: bool = False) -> GenerationResult:
+    """Lean decoding with latent feedback (same semantics as ``model.generate(feedback_mode=...)``).
+
+    ``model`` is a fullband model, or a plain Hugging Face causal LM (``mode='standard'`` only). ``input_ids``
+    ``[B, P]`` with optional ``attention_mask`` (left padding). ``mode`` defaults to
+    ``model.config.default_feedback_mode``. Greedy unless ``do_sample`` (``temperature``, ``top_k``, ``top_p``,
+    draws from ``generator``). A row stops at ``eos_token_id`` (default: the model's generation config, none with
+    ``ignore_eos``) or where ``stopping(sequences, None)`` -- e.g. a ``transformers.StopStringCriteria`` -- says
+    so, and is padded with ``pad_token_id`` after that; decoding ends when every row has stopped or after
+    ``max_new_tokens``. ``streamer`` gets ``put(prompt)``, ``put(tokens)`` per step and ``end()`` (any Hugging Face
+    streamer). ``cache_implementation``: ``static`` (preallocated), ``dynamic`` or ``auto`` (static where the
+    backbone supports it). Runs under ``torch.inference_mode``; put the model in eval mode first.
+    """
+    if eos_token_id is None and not ignore_eos:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ignore_eos:
+        eos_token_id = None
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    return _run(model, input_ids, attention_mask, mode=mode, max_new_tokens=max_new_tokens,
+                prefill_passes=prefill_passes, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                top_p=top_p, generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                stopping=stopping, streamer=streamer, cache_implementation=cache_implementation,
+                output_logits=output_logits)
+
+
+def score(model, input_ids: torch.LongTensor, continuation_ids: torch.LongTensor,
+          attention_mask: torch.Tensor | None = None, *, mode: str | None = None, prefill_passes: int = 1,
+          cache_implementation: str = "auto") -> torch.Tensor:
+    """Log-probabilities ``[B, N]`` of ``continuation_ids`` ``[B, N]`` after the prompt ``input_ids`` when decoding
+    in ``mode`` (teacher-forced: each continuation token is fused with the state of the step before it, exactly as
+    a generated token would be)."""
+    if continuation_ids.dim() != 2 or continuation_ids.shape[0] != input_ids.shape[0]:
+        raise ValueError("continuation_ids must be [batch, length] with the prompt's batch size")
+    res = _run(model, input_ids, attention_mask, mode=mode, max_new_tokens=continuation_ids.shape[1],
+               prefill_passes=prefill_passes, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, generator=None,
+               eos_token_id=None, pad_token_id=None, stopping=None, streamer=None,
+               cache_implementation=cache_implementation, output_logits=False, forced=continuation_ids)
+    return res.logits.log_softmax(-1).gather(-1, continuation_ids.unsqueeze(-1)).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _run_cli(args) -> int:
+    from transformers import AutoTokenizer, StopStringCriteria, TextStreamer
+    from transformers.utils import logging as hf_logging
+
+    from .cli import UsageError
+    from .modeling import load_model
+
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be >= 1")
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(f"model directory {args.model!r} does not exist")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if not any(os.path.isfile(os.path.join(args.model, name)) for name in tokenizer_files):
+        raise FileNotFoundError(f"no tokenizer saved with the model in {args.model!r} (save one there with "
+                                "tokenizer.save_pretrained)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FileNotFoundError(f"cannot load the tokenizer saved in {args.model!r}: {first}") from None
+    hf_logging.disable_progress_bar()
+    model = load_model(args.model)
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = model.to(device=device, dtype=dtype).eval()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    enc = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=not args.no_special_tokens)
+    input_ids = enc["input_ids"].to(device)
+    if input_ids.shape[1] == 0:
+        bos = model.config.doc_start_token_id
+        if bos is None:
+            raise UsageError("the prompt is empty and the model has no BOS token")
+        input_ids = torch.tensor([[bos]], device=device)
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
+    stopping = StopStringCriteria(tokenizer, args.stop) if args.stop else None
+    generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
+    res = generate(model, input_ids, mode=args.mode, max_new_tokens=args.max_new_tokens,
+                   prefill_passes=args.prefill_passes, do_sample=args.temperature > 0,
+                   temperature=args.temperature if args.temperature > 0 else 1.0, top_k=args.top_k,
+                   top_p=args.top_p, generator=generator, eos_token_id=eos, ignore_eos=args.ignore_eos,
+                   stopping=stopping, streamer=streamer)
+    if streamer is None:
+        print(tokenizer.decode(res.sequences[0], skip_special_tokens=True))
+    n = res.num_new_tokens
+    rate = n / res.decode_seconds if res.decode_seconds > 0 else float("inf")
+    print(f"[{res.mode}: {n} new tokens, prefill {res.prefill_seconds * 1e3:.1f} ms, {rate:.1f} tokens/s]",
+          file=sys.stderr)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a saved fullband model (streams tokens)",
+                       description="Generate a continuation of --prompt with a saved fullband model, streaming "
+                                   "tokens as they come. Decode modes: " + ", ".join(MODES) + ".",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="model directory (save_pretrained output, with its tokenizer)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="decode mode (default: the model's config.default_feedback_mode)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes over the prompt in 'fused' mode")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when this text has been generated (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to the prompt")
+    p.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.set_defaults(func=_run_cli)
