@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "fullband.info",
     "fullband.generation",
     "fullband.bench",
+    "fullband.analysis",
 ]
 
 
