@@ -16,6 +16,8 @@ COMMAND_MODULES = [
     "fullband.info",
     "fullband.generation",
     "fullband.bench",
+    "fullband.evaluate",
+    "fullband.reasoning",
     "fullband.analysis",
 ]
 

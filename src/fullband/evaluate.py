@@ -1,12 +1,17 @@
-"""Held-out language-model loss of a model, per decode mode.
+"""Held-out language-model loss of a model, per decode mode, and the ``fullband eval`` command.
 
 Owns :func:`evaluate_loss`: mean next-token cross-entropy (nats per predicted token) over packed rows, for a plain
 Hugging Face causal LM or a fullband model in one of the modes
 
-* ``standard`` — no feedback (one ordinary pass);
+* ``standard`` — no feedback (one ordinary pass, K = 1);
 * ``passes`` — the K-pass teacher-forced forward used in training (``num_passes=K``);
 * ``exact`` — the true token-by-token recurrence (:meth:`FullBandwidthForCausalLM.recurrent_forward`), which is
   what decoding runs; K-pass figures need not carry over to it, so report both.
+
+and around it :func:`evaluation_rows` (the held-out text, split exactly as training splits it),
+:func:`evaluate_model` (every mode of one model into one report), :func:`report_markdown`, :func:`load_any_model`
+(a fullband directory or a plain Hugging Face causal-LM directory), :func:`write_report` (JSON + markdown, each
+written atomically) and the ``fullband eval`` sub-command.
 """
 
 from __future__ import annotations
@@ -66,3 +71,269 @@ def evaluate_loss(model, rows: torch.Tensor, mode: str = "standard", num_passes:
     loss = total / count
     return {"mode": mode, "num_passes": num_passes if mode == "passes" else (1 if mode == "standard" else None),
             "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+# ----------------------------------------------------------------------------------------------- model + data
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_any_model(path: str, device: str | None = None, dtype: str | None = None):
+    """``(model, tokenizer)`` from a local directory: a fullband model, or a plain HF causal LM (no feedback).
+
+    ``dtype`` is ``None`` (as saved), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    """
+    import json
+    import os
+
+    from .data import load_tokenizer
+    from .modeling import load_model
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} has no config.json: not a saved model (save_pretrained output)")
+    kwargs = {}
+    if dtype is not None:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {dtype!r}: choose float32, bfloat16 or float16")
+        kwargs["dtype"] = getattr(torch, dtype)
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    from .configuration import FullBandwidthConfig
+
+    if model_type == FullBandwidthConfig.model_type:
+        model = load_model(path, **kwargs)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"could not load a causal LM from {path!r}: {str(err).splitlines()[0]}") from None
+    tokenizer = load_tokenizer(path)
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} entries but the model's vocabulary only "
+                         f"{vocab}: they do not belong together")
+    model.to(device or default_device()).eval()
+    return model, tokenizer
+
+
+def evaluation_rows(tokenizer, data: str | None = None, split: str = "val", seq_len: int = 256,
+                    val_fraction: float = 0.1, seed: int = 0) -> tuple[torch.Tensor, dict]:
+    """Packed rows ``[N, seq_len]`` of held-out text and a description of where they came from.
+
+    ``data`` is any :func:`fullband.data.load_documents` source (``None``: the embedded corpus). ``split`` picks
+    the documents: ``"val"`` (the validation documents, split exactly as ``fullband train`` splits them with the
+    same ``seed`` and ``val_fraction``), ``"train"``, or ``"all"`` (every document, e.g. a separate held-out file).
+    """
+    from .data import load_documents, pack, split_documents, tokenize_documents
+
+    if split not in ("val", "train", "all"):
+        raise ValueError(f"unknown split {split!r}: choose val, train or all")
+    docs = load_documents(data)
+    if split != "all":
+        train, val = split_documents(docs, val_fraction, seed)
+        docs = val if split == "val" else train
+        if not docs:
+            raise ValueError("the validation split is empty (val_fraction 0): use --split all or a val fraction > 0")
+    rows = pack(tokenize_documents(tokenizer, docs), seq_len)
+    info = {"source": data or "shakespeare (embedded)", "split": split, "val_fraction": val_fraction, "seed": seed,
+            "seq_len": seq_len, "documents": [d.name for d in docs]}
+    return rows, info
+
+
+def _predicted_bytes(tokenizer, rows: torch.Tensor) -> int:
+    """UTF-8 bytes of the predicted tokens (every position but the first of each row; special tokens count 0)."""
+    total = 0
+    for row in rows.tolist():
+        total += len(tokenizer.decode(row[1:], skip_special_tokens=True).encode("utf-8"))
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def evaluate_model(model, rows: torch.Tensor, passes=(2, 3, 4), exact: bool = True, batch_size: int = 8,
+                   max_rows: int | None = None, tokenizer=None, progress: bool = False) -> dict:
+    """Every mode of ``model`` on the same rows: ``{"feedback", "results": [...], "notes": [...]}``.
+
+    ``results`` lists ``standard`` (K = 1), ``passes`` for each K in ``passes`` (K = 1 is standard and skipped)
+    and ``exact`` (when ``exact``); a plain HF model gets ``standard`` only, and a note saying why. With a
+    ``tokenizer``, each result also has ``bits_per_byte`` (comparable across tokenizers).
+    """
+    if max_rows is not None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        rows = rows[:max_rows]
+    feedback = _is_fullband(model)
+    plan = [("standard", 1)]
+    notes = []
+    if feedback:
+        for k in passes:
+            if not isinstance(k, int) or k < 1:
+                raise ValueError(f"number of passes must be an integer >= 1, got {k!r}")
+        plan += [("passes", k) for k in sorted(set(passes)) if k > 1]
+        if exact:
+            plan.append(("exact", None))
+    else:
+        notes.append("plain Hugging Face model without latent feedback: only the standard mode applies "
+                     "(multi-pass and exact-recurrence modes were not run)")
+    nbytes = _predicted_bytes(tokenizer, rows) if tokenizer is not None else None
+    results = []
+    for mode, k in plan:
+        res = evaluate_loss(model, rows, mode=mode, num_passes=k or 1, batch_size=batch_size, progress=progress)
+        res["num_passes"] = k
+        if nbytes:
+            res["bytes"] = nbytes
+            res["bits_per_byte"] = res["loss"] * res["tokens"] / (math.log(2) * nbytes)
+        results.append(res)
+    return {"feedback": feedback, "rows": int(rows.shape[0]), "seq_len": int(rows.shape[1]),
+            "results": results, "notes": notes}
+
+
+def _mode_label(res: dict) -> str:
+    if res["mode"] == "passes":
+        return f"passes (K={res['num_passes']})"
+    if res["mode"] == "standard":
+        return "standard (K=1)"
+    return "exact recurrence"
+
+
+def report_markdown(report: dict) -> str:
+    """The report as a markdown document (a table of loss / perplexity per mode)."""
+    lines = [f"# Held-out loss: {report.get('model', 'model')}", ""]
+    data = report.get("data")
+    if data:
+        docs = data.get("documents", [])
+        shown = ", ".join(docs[:8]) + (f", … ({len(docs)} in all)" if len(docs) > 8 else "")
+        lines += [f"Data: {data.get('source')} — split `{data.get('split')}` (seed {data.get('seed')}, "
+                  f"val fraction {data.get('val_fraction')}): {shown}", ""]
+    lines += [f"Rows: {report['rows']} × {report['seq_len']} tokens; latent feedback: "
+              f"{'yes' if report['feedback'] else 'no'}", ""]
+    has_bpb = any("bits_per_byte" in r for r in report["results"])
+    head = "| mode | loss (nats/token) | perplexity | tokens |" + (" bits/byte |" if has_bpb else "")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in report["results"]:
+        row = f"| {_mode_label(r)} | {r['loss']:.4f} | {r['perplexity']:.3f} | {r['tokens']} |"
+        if has_bpb:
+            row += f" {r['bits_per_byte']:.4f} |" if "bits_per_byte" in r else " |"
+        lines.append(row)
+    for note in report.get("notes", []):
+        lines += ["", f"Note: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def report_paths(out: str, stem: str) -> tuple[str, str]:
+    """``out`` ending in ``.json``: that file and the ``.md`` beside it; otherwise a folder with ``stem``.json/.md."""
+    import os
+
+    if out.endswith(".json"):
+        return out, out[: -len(".json")] + ".md"
+    return os.path.join(out, f"{stem}.json"), os.path.join(out, f"{stem}.md")
+
+
+def write_report(report: dict, markdown: str, out: str, stem: str) -> tuple[str, str]:
+    """Write the JSON and the markdown report (each atomically); returns both paths."""
+    import json
+
+    from .io import atomic_write_text
+
+    json_path, md_path = report_paths(out, stem)
+    atomic_write_text(json_path, json.dumps(report, indent=2) + "\n")
+    atomic_write_text(md_path, markdown)
+    return json_path, md_path
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+    return values
+
+
+TRAIN_RUN_CONFIG = "run_config.json"  # what `fullband train` writes beside the model it saves
+
+
+def split_settings(model_dir: str, data=None, seed=None, val_fraction=None, seq_len=None) -> tuple[dict, str | None]:
+    """The evaluation text's settings: the ones given, else those of the training run that saved ``model_dir``
+    (its ``run_config.json``: data, seed, val_fraction, seq_len), else the training defaults (embedded corpus,
+    seed 0, val fraction 0.1, 256 tokens). Returns the settings and the run config used (or ``None``)."""
+    import json
+    import os
+
+    saved, source = {}, None
+    path = os.path.join(model_dir, TRAIN_RUN_CONFIG)
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        source = path
+    given = {"data": data, "seed": seed, "val_fraction": val_fraction, "seq_len": seq_len}
+    defaults = {"data": None, "seed": 0, "val_fraction": 0.1, "seq_len": 256}
+    settings = {k: given[k] if given[k] is not None else saved.get(k, defaults[k]) for k in given}
+    return settings, source
+
+
+def run(args) -> int:
+    import os
+
+    passes = parse_int_list(args.passes, "--passes") if args.passes else []
+    if any(k < 1 for k in passes):
+        raise ValueError(f"--passes must be integers >= 1, got {args.passes!r}")
+    if args.max_rows is not None and args.max_rows < 1:
+        raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
+    settings, source = split_settings(args.model, args.data, args.seed, args.val_fraction, args.seq_len)
+    model, tokenizer = load_any_model(args.model, device=args.device, dtype=args.dtype)
+    rows, data_info = evaluation_rows(tokenizer, settings["data"], args.split, settings["seq_len"],
+                                      settings["val_fraction"], settings["seed"])
+    if source:
+        data_info["settings_from"] = source
+    report = evaluate_model(model, rows, passes=passes, exact=not args.no_exact, batch_size=args.batch_size,
+                            max_rows=args.max_rows, tokenizer=tokenizer, progress=args.progress)
+    report = {"model": os.path.abspath(args.model), "data": data_info, **report}
+    markdown = report_markdown(report)
+    print(markdown, end="")
+    if args.out:
+        json_path, md_path = write_report(report, markdown, args.out, "eval")
+        print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="held-out loss / perplexity per feedback mode",
+        description="Validation loss and perplexity of a saved model on held-out text: standard (K=1), the "
+                    "K-pass forward for each --passes K, and the exact token-by-token recurrence. By default the "
+                    "text is the validation documents split exactly as `fullband train` split them: its data, "
+                    "seed, validation fraction and row length are read from the run_config.json it saved beside "
+                    "the model (the embedded corpus, seed 0, 0.1 and 256 without one).")
+    p.add_argument("--model", required=True, help="model directory (fullband or plain Hugging Face causal LM)")
+    p.add_argument("--data", default=None,
+                   help="text file, folder, .jsonl or datasets directory (default: the training run's, else the "
+                        "embedded corpus)")
+    p.add_argument("--split", default="val", choices=["val", "train", "all"],
+                   help="which documents of --data to score (default: val, the training split's held-out part)")
+    p.add_argument("--seed", type=int, default=None, help="document-split seed (default: the training run's, else 0)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="validation fraction (default: the training run's, else 0.1)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per packed row (default: the training run's, "
+                                                             "else 256)")
+    p.add_argument("--max-rows", type=int, default=None, help="score only the first N rows (default: all)")
+    p.add_argument("--passes", default="2,3,4", help="K values for the multi-pass forward (default 2,3,4)")
+    p.add_argument("--no-exact", action="store_true", help="skip the (slow, token-by-token) exact recurrence")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="load the weights in this dtype (default: as saved)")
+    p.add_argument("--out", default=None,
+                   help="write the report: a folder (eval.json + eval.md) or a path ending in .json (+ .md beside it)")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.set_defaults(func=run)
