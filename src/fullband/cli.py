@@ -14,11 +14,15 @@ import sys
 # sub-command modules, in the order `fullband --help` lists them
 COMMAND_MODULES = [
     "fullband.info",
+    "fullband.train",
+    "fullband.quickstart",
+    "fullband.sft",
     "fullband.generation",
     "fullband.bench",
     "fullband.evaluate",
     "fullband.reasoning",
     "fullband.analysis",
+    "fullband.experiments",
 ]
 
 

@@ -294,6 +294,8 @@ class FeedbackGenerationMixin(GenerationMixin):
         if mode == "standard":
             return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
         cache = model_kwargs.get("cache")
+        if cache is None:
+            raise ValueError(f"decode mode {mode!r} needs use_cache=True: the cache carries the fed-back state")
         if not isinstance(cache, FeedbackStateMixin):
             raise ValueError(f"decode mode {mode!r} needs a fullband.generation.FeedbackCache (got "
                              f"{type(cache).__name__}); pass none and generate() creates one")
