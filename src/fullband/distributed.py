@@ -1,0 +1,235 @@
+"""Process groups, model wrapping (DDP or FSDP2) and full state dicts for ``fullband train``.
+
+The same command runs single-process or under ``torchrun --nproc_per_node N``: :func:`init_distributed` reads
+torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``) and starts a process group (gloo on CPU, nccl on
+CUDA). :func:`wrap_model` wraps with ``DistributedDataParallel`` or, for large models, FSDP2 (``fully_shard`` on
+every decoder layer, then the root). Checkpoints always hold full (unsharded) tensors, so a run can resume with
+another parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PARALLEL_MODES = ("ddp", "fsdp")
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """The process's place in the job (a one-process job when not launched by torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = resolve_device(device)
+    if world <= 1:
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return DistEnv(device=dev)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
+                   backend=backend)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        if env.backend == "nccl":
+            dist.barrier(device_ids=[env.device.index])
+        else:
+            dist.barrier()
+
+
+def all_reduce_mean(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean over ranks (in place on a copy)."""
+    if not env.distributed:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / env.world_size
+
+
+def all_true(flag: bool, env: DistEnv) -> bool:
+    if not env.distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
+def broadcast_object(obj, env: DistEnv):
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=env.device if env.backend == "nccl" else None)
+    return box[0]
+
+
+# ----------------------------------------------------------------------------------------------- wrapping
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a (wrapped) HF decoder, for FSDP sharding units."""
+    backbone = getattr(model, "backbone", model)
+    base = getattr(backbone, backbone.base_model_prefix, backbone) if hasattr(backbone, "base_model_prefix") else backbone
+    for name in ("layers", "h", "blocks", "layer"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return list(layers)
+    return []
+
+
+def wrap_model(model: nn.Module, env: DistEnv, mode: str = "ddp") -> nn.Module:
+    """DDP (``find_unused_parameters``: the fusion is unused on K = 1 steps) or FSDP2 over ``env``'s group."""
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
+    if not env.distributed:
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import warnings
+
+        # K = 1 steps leave the fusion unused, K > 1 steps use everything; DDP warns about the latter
+        warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified.*")
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, find_unused_parameters=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
+
+
+def no_sync(model: nn.Module, skip: bool):
+    """DDP: skip the gradient all-reduce on accumulation micro-batches before the last one."""
+    if skip and hasattr(model, "no_sync"):
+        return model.no_sync()
+    if skip and hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return _RestoreSync(model)
+    return nullcontext()
+
+
+class _RestoreSync:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+        return False
+
+
+# ----------------------------------------------------------------------------------------------- state dicts
+
+
+def is_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full CPU state dict of the model (collective under FSDP: every rank must call)."""
+    model = unwrap(model)
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    model = unwrap(model)
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in _tied_names(model)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    seen, tied = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = (t.data_ptr(), t.shape)
+        if key in seen:
+            tied.add(name)
+        else:
+            seen[key] = name
+    return tied
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    if is_sharded(unwrap(model)):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(unwrap(model), optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    if is_sharded(unwrap(model)):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
+        return
+    optimizer.load_state_dict(state)

@@ -1,0 +1,76 @@
+"""Model size presets for training from scratch: Llama-style backbones (RMSNorm, RoPE, SwiGLU).
+
+The vocabulary comes from the tokenizer, so a preset fixes everything but the vocabulary size; the parameter
+counts quoted below are for the default 4,096-entry BPE (``gpt2-small`` is ≈125M with GPT-2's 50,257 entries):
+
+======================  ======  ======  =====  ==========  ============  =========
+preset                  d       layers  heads  kv heads    MLP width     params
+======================  ======  ======  =====  ==========  ============  =========
+``micro``               64      2       4      4           128           ≈0.6M (tests, smoke runs)
+``tiny``                192     4       6      6           512           ≈3.3M
+``small``               512     6       8      8           1376          ≈23M
+``gpt2-small``          768     12      12     12          2048          ≈88M (≈124M at 50k vocab)
+======================  ======  ======  =====  ==========  ============  =========
+
+``tiny`` and ``small`` have an untied LM head; ``gpt2-small`` ties it to the embeddings, as GPT-2 does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    lr: float  # suggested peak learning rate (the default of ``fullband train --lr``)
+    description: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "micro": Preset(64, 2, 4, 4, 128, False, lr=3e-3, description="for tests and smoke runs"),
+    "tiny": Preset(192, 4, 6, 6, 512, False, lr=3e-3, description="≈3M parameters; seconds per step on a laptop CPU"),
+    "small": Preset(512, 6, 8, 8, 1376, False, lr=1.5e-3, description="≈25M parameters"),
+    "gpt2-small": Preset(768, 12, 12, 12, 2048, True, lr=6e-4, description="GPT-2 small's shape, ≈125M at a 50k vocabulary"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def backbone_config(name: str, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: int | None = None,
+                    pad_token_id: int | None = None, max_position_embeddings: int = 2048):
+    """The ``LlamaConfig`` of preset ``name`` for a tokenizer of ``vocab_size`` entries."""
+    from transformers import LlamaConfig
+
+    p = get_preset(name)
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads, max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=p.tie_word_embeddings, attention_dropout=0.0,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+    )
+
+
+def parameter_count(name: str, vocab_size: int) -> int:
+    """Backbone parameters of preset ``name`` (embeddings and head included), without building it."""
+    p = get_preset(name)
+    d, f, L = p.hidden_size, p.intermediate_size, p.num_hidden_layers
+    kv = d // p.num_attention_heads * p.num_key_value_heads
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
+    return L * per_layer + (1 if p.tie_word_embeddings else 2) * vocab_size * d + d
+
+
+def describe() -> dict:
+    return {name: asdict(p) for name, p in PRESETS.items()}

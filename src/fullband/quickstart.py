@@ -1,0 +1,324 @@
+"""``fullband quickstart``: the main job. A plain baseline and a full-bandwidth (FBT) model, trained on the
+embedded corpus for the same number of tokens, evaluated on the held-out works, reported.
+
+What it does (defaults sized to finish within 10 minutes on 2 CPU cores):
+
+1. builds the corpus once (embedded Shakespeare, one work = one document, 10% of the works held out, a 4,096-entry
+   byte-level BPE trained on the training works, rows of 256 tokens);
+2. trains the **baseline**: preset ``tiny``, K = 1 on every step (the FBT class with feedback never switched on,
+   i.e. exactly its Llama backbone), and the **FBT** model: the same backbone config, seed, data order, batch and
+   number of steps, with feedback switched on late (``--feedback-start``, K = 2, a tenth of the feedback steps
+   at K = 4, prefix mixing, jitter), as in the paper's recipe. The two runs are identical, bit for bit, up to the
+   feedback start (same seed and data, K = 1, no random draws), so that shared prefix is trained once: the
+   baseline stops at the start step with a checkpoint, the FBT run resumes from a copy of it with its feedback
+   settings (``--no-share-prefix`` trains both from scratch instead);
+3. evaluates both on the same held-out rows: the baseline (standard), FBT in ``standard`` (K = 1, no feedback),
+   ``passes`` (the K-pass teacher-forced forward of training) and ``exact`` (the true token-by-token recurrence,
+   which is what decoding with feedback computes) modes;
+4. samples a few continuations of held-out prompts per decode mode;
+5. writes ``OUT/report.md`` (table, curves, samples), ``OUT/results.json``, ``OUT/curves.png``, and both models
+   with their tokenizer in ``OUT/baseline/`` and ``OUT/fbt/`` (``from_pretrained``-loadable); prints the table.
+
+``results.json`` has ``baseline_val_loss`` and ``fbt_val_loss`` (FBT in ``exact`` mode: the model as it decodes
+with feedback), plus every mode's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+
+import torch
+
+from .io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
+
+DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240, batch_size=16, seq_len=256,
+                vocab_size=4096, seed=0, feedback_start=0.75, num_passes=2, eval_rows=128, samples=3,
+                sample_tokens=48, prompt_tokens=24)
+
+
+def _configs(args):
+    from .train import TrainConfig
+
+    common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
+                  batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
+                  progress=not args.no_progress, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
+                  device=args.device, save_every=0)
+    base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
+    fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
+    return base, fbt
+
+
+def _copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
+    """Seed the FBT run with the baseline's checkpoint at the feedback start (and its log up to there)."""
+    from .train import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, _clear_outputs
+
+    if os.path.isdir(fbt_dir):
+        _clear_outputs(fbt_dir)
+    os.makedirs(os.path.join(fbt_dir, CKPT_DIR), exist_ok=True)
+    name = os.path.basename(ckpt)
+    shutil.copytree(ckpt, os.path.join(fbt_dir, CKPT_DIR, name))
+    atomic_write_text(os.path.join(fbt_dir, CKPT_DIR, LATEST), name + "\n")
+    shutil.copytree(os.path.join(base_dir, TOKENIZER_DIR), os.path.join(fbt_dir, TOKENIZER_DIR))
+    rows = [r for r in read_jsonl(os.path.join(base_dir, METRICS)) if r.get("step", 0) <= step]
+    rewrite_jsonl(os.path.join(fbt_dir, METRICS), rows)
+
+
+def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tokens: int, new_tokens: int,
+             seed: int) -> tuple[list[dict], str]:
+    """Sampled continuations of held-out prompts per (model, decode mode)."""
+    try:
+        from .generation import generate as lean_generate
+        how = "fullband.generation.generate (temperature 0.8, top-k 40)"
+    except ImportError:  # pragma: no cover - the generation module is part of the package
+        lean_generate = None
+        how = "Hugging Face generate() in standard mode (fullband.generation unavailable)"
+    bos = tokenizer.bos_token_id
+    picks = [int(i) for i in torch.linspace(0, val_rows.shape[0] - 1, n).round().long()] if n > 0 else []
+    prompts = []
+    for i in picks:
+        row = val_rows[i].tolist()
+        # start the prompt at a line start so it reads well; a held-out document's own text
+        text = tokenizer.decode(row, skip_special_tokens=True)
+        cut = text.find("\n", len(text) // 8)
+        text = text[cut + 1:] if cut >= 0 else text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
+        prompts.append([bos, *ids] if bos is not None else ids)
+    out = []
+    for label, (model, modes) in models.items():
+        for mode in modes:
+            for j, prompt in enumerate(prompts):
+                ids = torch.tensor([prompt])
+                g = torch.Generator().manual_seed(seed + 1000 * j)
+                with torch.inference_mode():
+                    if lean_generate is not None:
+                        res = lean_generate(model, ids, mode=mode, max_new_tokens=new_tokens, do_sample=True,
+                                            temperature=0.8, top_k=40, generator=g, ignore_eos=True)
+                        new = res.new_tokens[0]
+                    else:
+                        torch.manual_seed(seed + 1000 * j)
+                        backbone = getattr(model, "backbone", model)
+                        seq = backbone.generate(ids, max_new_tokens=new_tokens, do_sample=True, temperature=0.8,
+                                                top_k=40, pad_token_id=tokenizer.pad_token_id)
+                        new = seq[0, ids.shape[1]:]
+                out.append({"model": label, "mode": mode, "prompt_index": j,
+                            "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+                            "continuation": tokenizer.decode(new, skip_special_tokens=True)})
+    return out, how
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| model | mode | val loss (nats/token) | perplexity | Δ vs baseline | tokens |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    base = rows[0]["loss"]
+    for r in rows:
+        delta = "" if r is rows[0] else f"{r['loss'] - base:+.4f}"
+        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {delta} | {r['tokens']:,} |")
+    return "\n".join(lines)
+
+
+def run_quickstart(args) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    from .evaluate import evaluate_loss
+    from .modeling import load_model
+    from .plotting import plot_loss_curves
+    from .train import build_tokenizer_and_corpus, find_checkpoint, train
+
+    hf_logging.disable_progress_bar()
+    t_all = time.perf_counter()
+    for name in ("steps", "batch_size", "seq_len", "eval_rows"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.samples < 0 or args.sample_tokens < 1 or args.prompt_tokens < 1:
+        raise ValueError("--samples must be >= 0, --sample-tokens and --prompt-tokens >= 1")
+    if args.num_passes < 2:
+        raise ValueError(f"--num-passes must be >= 2 for the FBT model, got {args.num_passes}")
+    base_cfg, fbt_cfg = _configs(args)
+    base_cfg.validate()
+    fbt_cfg.validate()
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+    # ---- data (once, for both runs)
+    t = time.perf_counter()
+    corpus = build_tokenizer_and_corpus(fbt_cfg)
+    t_data = time.perf_counter() - t
+    say(f"quickstart: corpus {corpus.train_rows.numel():,} train tokens ({len(corpus.train_docs)} works), "
+        f"{corpus.val_rows.numel():,} held-out tokens ({len(corpus.val_docs)} works: {', '.join(corpus.val_docs)}); "
+        f"{t_data:.1f}s")
+
+    # ---- training
+    start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
+    share = (not args.no_share_prefix) and 0 < start < fbt_cfg.steps
+    t = time.perf_counter()
+    if share:
+        first = train(dataclasses.replace(base_cfg, stop_after=start), overwrite=True, corpus=corpus,
+                      name="baseline+fbt (shared K=1 steps)")
+        _copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
+        base_sum = train(base_cfg, resume=True, corpus=corpus, name="baseline")
+        fbt_sum = train(fbt_cfg, resume=True, corpus=corpus, name="fbt")
+    else:
+        base_sum = train(base_cfg, overwrite=True, corpus=corpus, name="baseline")
+        fbt_sum = train(fbt_cfg, overwrite=True, corpus=corpus, name="fbt")
+    t_train = time.perf_counter() - t
+    for s in (base_sum, fbt_sum):
+        if s["status"] != "done":
+            raise RuntimeError(f"training did not finish: {s['message']}")
+    # the checkpoints served their purpose; the final models are in baseline/ and fbt/
+    for d in (base_cfg.out, fbt_cfg.out):
+        shutil.rmtree(os.path.join(d, "checkpoints"), ignore_errors=True)
+
+    # ---- evaluation: the saved models, reloaded (checks they load), on the same held-out rows
+    t = time.perf_counter()
+    baseline = load_model(base_cfg.out).eval()
+    fbt = load_model(fbt_cfg.out).eval()
+    rows = corpus.val_rows[: args.eval_rows]
+    say(f"quickstart: evaluating on {rows.shape[0]} held-out rows ({rows[:, 1:].numel():,} predicted tokens)")
+    K = args.num_passes
+    evals = [
+        ("baseline", "standard", "standard", evaluate_loss(baseline, rows, "standard")),
+        ("FBT", "standard (K=1, no feedback)", "standard", evaluate_loss(fbt, rows, "standard")),
+        ("FBT", f"passes (K={K}, teacher-forced)", "passes", evaluate_loss(fbt, rows, "passes", num_passes=K)),
+        ("FBT", "exact (token-by-token recurrence)", "exact", evaluate_loss(fbt, rows, "exact")),
+    ]
+    t_eval = time.perf_counter() - t
+    table_rows = [{"model": m, "label": label, "mode": mode, **r} for m, label, mode, r in evals]
+
+    # ---- samples
+    t = time.perf_counter()
+    samples, how = _samples({"baseline": (baseline, ["standard"]), "FBT": (fbt, ["standard", "soft", "exact"])},
+                            corpus.tokenizer, corpus.val_rows, args.samples, args.prompt_tokens, args.sample_tokens,
+                            args.seed)
+    t_samples = time.perf_counter() - t
+
+    # ---- curves, results, report
+    curves = os.path.join(args.out, "curves.png")
+    plot_loss_curves({"baseline": os.path.join(base_cfg.out, "metrics.jsonl"),
+                      "FBT": os.path.join(fbt_cfg.out, "metrics.jsonl")}, curves,
+                     title=f"quickstart: {args.preset}, {base_cfg.steps} steps x {base_cfg.batch_size * base_cfg.seq_len:,} tokens")
+    wall = time.perf_counter() - t_all
+    by = {e[2] if e[0] == "FBT" else "baseline": e[3] for e in evals}
+    results = {
+        "baseline_val_loss": by["baseline"]["loss"],
+        "fbt_val_loss": by["exact"]["loss"],
+        "fbt_val_loss_mode": "exact",
+        "fbt_standard_val_loss": by["standard"]["loss"],
+        "fbt_passes_val_loss": by["passes"]["loss"],
+        "fbt_passes_num_passes": K,
+        "fbt_exact_val_loss": by["exact"]["loss"],
+        "eval_rows": int(rows.shape[0]),
+        "eval_tokens": by["baseline"]["tokens"],
+        "table": table_rows,
+        "train_tokens_per_model": base_cfg.steps * base_cfg.batch_size * base_cfg.seq_len,
+        "steps": base_cfg.steps, "batch_size": base_cfg.batch_size, "seq_len": base_cfg.seq_len,
+        "preset": args.preset, "parameters": sum(p.numel() for p in baseline.backbone.parameters()),
+        "fusion_parameters": sum(p.numel() for p in fbt.feedback.parameters()),
+        "feedback_start_step": start, "shared_prefix_steps": start if share else 0,
+        "num_passes": K, "deep_passes": fbt_cfg.deep_passes, "deep_fraction": fbt_cfg.deep_fraction,
+        "prefix_mix": fbt_cfg.prefix_mix, "jitter": fbt_cfg.jitter, "fusion_lr_mult": fbt_cfg.fusion_lr_mult,
+        "lr": fbt_cfg.resolved_lr(), "seed": args.seed, "val_documents": corpus.val_docs,
+        "train_documents": len(corpus.train_docs), "corpus_train_tokens": corpus.train_rows.numel(),
+        "seconds": {"data": t_data, "train": t_train, "eval": t_eval, "samples": t_samples, "total": wall},
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+        "samples": samples, "sampling": how,
+    }
+    atomic_write_json(os.path.join(args.out, "results.json"), results)
+    table = _table(table_rows)
+    atomic_write_text(os.path.join(args.out, "report.md"), _report(results, table, args))
+    print(table)
+    print(f"\nbaseline {results['baseline_val_loss']:.4f} vs FBT (exact) {results['fbt_val_loss']:.4f} nats/token on "
+          f"{results['eval_tokens']:,} held-out tokens; {results['train_tokens_per_model']:,} training tokens each; "
+          f"{wall:.0f}s in all. Report: {os.path.join(args.out, 'report.md')}")
+    return results
+
+
+def _report(res: dict, table: str, args) -> str:
+    d = res["fbt_val_loss"] - res["baseline_val_loss"]
+    verdict = ("lower (better) than" if d < 0 else "higher (worse) than" if d > 0 else "equal to")
+    sec = res["seconds"]
+    lines = [
+        "# fullband quickstart",
+        "",
+        f"A plain baseline and a full-bandwidth (FBT) model, preset `{res['preset']}` "
+        f"({res['parameters'] / 1e6:.2f}M backbone parameters; the fusion adds {res['fusion_parameters'] / 1e3:.0f}k), "
+        f"each trained for {res['steps']} steps x {res['batch_size']} rows x {res['seq_len']} tokens = "
+        f"{res['train_tokens_per_model']:,} tokens of the embedded Shakespeare corpus "
+        f"({res['train_documents']} works, {res['corpus_train_tokens']:,} tokens), same seed ({res['seed']}), "
+        f"same data order, same backbone config, peak LR {res['lr']:g} (cosine).",
+        "",
+        f"FBT recipe: plain (K=1) for the first {res['feedback_start_step']} steps, then K={res['num_passes']} with "
+        f"{res['deep_fraction']:.0%} of the feedback steps at K={res['deep_passes']}, prefix mixing "
+        f"p={res['prefix_mix']}, jitter {res['jitter']}, fusion LR multiplier {res['fusion_lr_mult']}.",
+        (f"The first {res['shared_prefix_steps']} steps are identical for both runs (K=1, same seed and data, no random "
+         "draws) and were trained once: the FBT run continued from the baseline's checkpoint at that step."
+         if res["shared_prefix_steps"] else "Both runs were trained from scratch."),
+        "",
+        f"## Held-out loss ({res['eval_rows']} rows of the held-out works "
+        f"{', '.join(res['val_documents'])}; {res['eval_tokens']:,} predicted tokens, the same rows for every line)",
+        "",
+        table,
+        "",
+        f"FBT in exact mode (what decoding with feedback computes) is {abs(d):.4f} nats/token {verdict} the baseline. "
+        "Modes: *standard* = one ordinary pass, no feedback; *passes* = the K-pass teacher-forced forward used in "
+        "training; *exact* = the true recurrence, each position fused with the previous position's final state.",
+        "",
+        "![loss curves](curves.png)",
+        "",
+        f"## Samples ({res['sampling']}, held-out prompts)",
+        "",
+    ]
+    by_prompt = {}
+    for s in res["samples"]:
+        by_prompt.setdefault(s["prompt_index"], []).append(s)
+    for j, items in sorted(by_prompt.items()):
+        lines += [f"### Prompt {j + 1}", "", "```", items[0]["prompt"], "```", ""]
+        for s in items:
+            lines += [f"**{s['model']}, {s['mode']}**", "", "```", s["continuation"], "```", ""]
+    lines += [
+        "## Run",
+        "",
+        f"Wall time {sec['total']:.0f}s (data {sec['data']:.0f}s, training {sec['train']:.0f}s, evaluation "
+        f"{sec['eval']:.0f}s, samples {sec['samples']:.0f}s) on {res['threads']} CPU thread(s), torch {res['torch']}.",
+        "",
+        "Models: `baseline/` and `fbt/` (`save_pretrained` + tokenizer; `import fullband` then "
+        "`AutoModelForCausalLM.from_pretrained(dir)`), metrics in each `metrics.jsonl`, figures in `results.json`.",
+        "",
+        f"Reproduce: `fullband quickstart --steps {res['steps']} --preset {res['preset']} --seed {res['seed']}`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quickstart", help="main job: train a baseline and an FBT model, evaluate, write a report",
+                       description=__doc__.split("\n\n")[0] + " Writes OUT/report.md, OUT/results.json, "
+                                   "OUT/curves.png, OUT/baseline/ and OUT/fbt/.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
+    p.add_argument("--preset", default=DEFAULTS["preset"], help="model size preset (tiny, small, gpt2-small)")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps per model")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="rows per step")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per row")
+    p.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"], help="BPE vocabulary size")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed (init, split, data order, sampling)")
+    p.add_argument("--feedback-start", type=float, default=DEFAULTS["feedback_start"],
+                   help="fraction of the FBT run trained plain before feedback switches on")
+    p.add_argument("--num-passes", type=int, default=DEFAULTS["num_passes"], help="K of the FBT feedback steps")
+    p.add_argument("--eval-rows", type=int, default=DEFAULTS["eval_rows"],
+                   help="held-out rows evaluated (the same rows for every model and mode)")
+    p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="held-out prompts to sample from")
+    p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"], help="new tokens per sample")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULTS["prompt_tokens"], help="prompt length in tokens")
+    p.add_argument("--no-share-prefix", action="store_true",
+                   help="train the FBT model from scratch instead of branching it off the baseline at the feedback start")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="print only the table")
+    p.set_defaults(func=lambda args: (run_quickstart(args), 0)[1])

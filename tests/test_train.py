@@ -1,0 +1,330 @@
+"""Training: end to end, resume after SIGKILL (bitwise), the NaN guard, 2-process DDP, config errors, quickstart.
+
+Everything runs a ``micro`` preset (d64, 2 layers) on a small generated jsonl corpus with a 300-entry BPE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fullband
+from fullband import cli
+from fullband.io import read_jsonl
+from fullband.train import TrainConfig, find_checkpoint, lr_at, make_config, read_config_file, train
+
+WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
+    return str(path)
+
+
+def args(data, out, *extra, steps=6):
+    return ["train", "--preset", "micro", "--steps", str(steps), "--out", str(out), "--seed", "0", "--data", data,
+            "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4", "--no-progress", "--no-tensorboard",
+            *extra]
+
+
+def cfg(data, out, **kw):
+    base = dict(out=str(out), preset="micro", steps=6, seed=0, data=data, vocab_size=300, seq_len=32, batch_size=4,
+                progress=False, tensorboard=False, plot=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def train_rows(out):
+    return [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("split") == "train"]
+
+
+def losses(out):
+    return [(r["step"], r["loss"], r["pass_losses"], r["num_passes"]) for r in train_rows(out)]
+
+
+def tree_hashes(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def subprocess_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory):
+    """One finished 6-step run with feedback from step 4 (K=2, deep K=4), checkpoints every 3 steps."""
+    out = tmp_path_factory.mktemp("run") / "fbt"
+    rc = cli.main(args(data, out, "--save-every", "3", "--feedback-start", "0.5", "--deep-fraction", "0.34",
+                       "--eval-every", "3"))
+    assert rc == 0
+    return str(out)
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+
+def test_end_to_end(finished):
+    rows = train_rows(finished)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert {"step", "loss", "pass_losses", "lr", "tokens", "num_passes", "grad_norm"} <= set(r)
+        assert r["tokens"] == r["step"] * 4 * 32 and len(r["pass_losses"]) == r["num_passes"]
+    assert [r["num_passes"] for r in rows] == [1, 1, 1, 2, 2, 4]  # plain, then K=2 with a deep step
+    # K>1: loss = L_1 + mean(L_2..L_K)
+    r = rows[-1]
+    assert r["loss"] == pytest.approx(r["pass_losses"][0] + sum(r["pass_losses"][1:]) / 3, rel=1e-5)
+    val = [r for r in read_jsonl(os.path.join(finished, "metrics.jsonl")) if r.get("split") == "val"]
+    assert [v["step"] for v in val] == [3, 6] and "val_loss_passes" in val[-1]
+    assert os.path.isfile(os.path.join(finished, "curves.png"))
+    assert find_checkpoint(finished).endswith("step-0000006")
+    # the final model and tokenizer load with plain HF entry points
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(finished)
+    tok = AutoTokenizer.from_pretrained(finished)
+    assert isinstance(model, fullband.FullBandwidthForCausalLM) and model.config.default_feedback_mode == "soft"
+    ids = tok("the cat of", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(model(ids, num_passes=2).logits).all()
+
+
+def test_lr_schedules():
+    c = TrainConfig(out="x", steps=100, lr=1.0, warmup_fraction=0.1, min_lr_ratio=0.1)
+    assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
+    assert lr_at(99, c) == pytest.approx(0.1) and 0.1 < lr_at(50, c) < 1.0
+    w = dataclasses.replace(c, lr_schedule="wsd", decay_fraction=0.2)
+    assert lr_at(50, w) == 1.0 and lr_at(79, w) == 1.0 and lr_at(99, w) == pytest.approx(0.1)
+
+
+def test_baseline_matches_fbt_until_feedback_and_branching_is_exact(data, tmp_path):
+    """The quickstart trains the shared K=1 prefix once; that must be exactly a from-scratch FBT run."""
+    fb = dict(feedback_start=0.5, num_passes=2, deep_fraction=0.34, prefix_mix=0.5)
+    fbt = train(cfg(data, tmp_path / "fbt", **fb))
+    base = train(cfg(data, tmp_path / "base", **dict(fb, num_passes=1, deep_passes=1)))
+    assert fbt["status"] == base["status"] == "done"
+    a, b = losses(tmp_path / "fbt"), losses(tmp_path / "base")
+    assert a[:3] == b[:3] and a[3:] != b[3:]
+    # branch: baseline to the feedback start, then the FBT settings from its checkpoint
+    from fullband.quickstart import _copy_branch
+
+    first = train(cfg(data, tmp_path / "b2", **dict(fb, num_passes=1, deep_passes=1), stop_after=3))
+    assert first["status"] == "paused"
+    _copy_branch(str(tmp_path / "b2"), str(tmp_path / "f2"), first["checkpoint"], 3)
+    train(cfg(data, tmp_path / "f2", **fb), resume=True)
+    assert losses(tmp_path / "f2") == a
+
+
+def test_grad_accumulation_matches_full_batch(data, tmp_path):
+    train(cfg(data, tmp_path / "a", steps=3, feedback_start=0.0, jitter=0.0))
+    train(cfg(data, tmp_path / "b", steps=3, feedback_start=0.0, jitter=0.0, grad_accum=2))
+    for (s1, l1, p1, _), (s2, l2, p2, _) in zip(losses(tmp_path / "a"), losses(tmp_path / "b")):
+        assert l1 == pytest.approx(l2, abs=1e-5)
+
+
+def test_retrofit_init_from(data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fullband.data import load_documents, train_tokenizer
+    from fullband.presets import backbone_config
+
+    tok = train_tokenizer((d.text for d in load_documents(data)), 300)
+    torch.manual_seed(0)
+    backbone = AutoModelForCausalLM.from_config(backbone_config("micro", len(tok), bos_token_id=1, eos_token_id=2,
+                                                                pad_token_id=0))
+    backbone.save_pretrained(tmp_path / "pre")
+    tok.save_pretrained(tmp_path / "pre")
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    rc = cli.main(args(data, tmp_path / "out", "--init-from", str(tmp_path / "pre"), steps=2))
+    assert rc == 0
+    model = fullband.modeling.load_model(str(tmp_path / "out"))
+    after = model.backbone.state_dict()
+    assert model.config.text_config.model_type == "llama"
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    (tmp_path / "nomodel").mkdir()
+    assert cli.main(args(data, tmp_path / "o2", "--init-from", str(tmp_path / "nomodel"))) == 2
+
+
+# ----------------------------------------------------------------------------------------------- resume
+
+
+def test_sigkill_and_resume_is_bitwise(data, tmp_path):
+    extra = ["--feedback-start", "0.25", "--deep-fraction", "0.5", "--prefix-mix", "0.5", "--jitter", "0.05",
+             "--save-every", "2"]
+    ref = tmp_path / "ref"
+    killed = tmp_path / "killed"
+    run = [sys.executable, "-m", "fullband.cli"]
+    env = subprocess_env()
+    assert cli.main(args(data, ref, *extra, steps=8)) == 0  # the uninterrupted reference, in this process
+    # SIGKILL right after step 5 was logged: the checkpoint of step 4 is the latest
+    p = subprocess.run(run + args(data, killed, *extra, "--debug-kill-at-step", "5", steps=8), env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL
+    assert find_checkpoint(str(killed)).endswith("step-0000004")
+    assert [r["step"] for r in train_rows(killed)] == [1, 2, 3, 4, 5]
+    p = subprocess.run(run + ["train", "--resume", "--out", str(killed)], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    a, b = losses(ref), losses(killed)
+    assert [s for s, *_ in b] == list(range(1, 9))
+    assert any(k > 1 for *_, k in a[4:])
+    assert a == b  # bitwise: json floats round-trip exactly
+
+
+# ----------------------------------------------------------------------------------------------- guard
+
+
+def test_nan_batch_is_skipped(data, tmp_path):
+    s = train(cfg(data, tmp_path / "nan", debug_nan_steps=[3]))
+    assert s["status"] == "done" and s["skipped_steps"] == 1
+    rows = train_rows(tmp_path / "nan")
+    assert rows[2]["skipped"] == "non-finite loss" and rows[2]["loss"] is None
+    assert all("skipped" not in r for i, r in enumerate(rows) if i != 2)
+    model = fullband.modeling.load_model(str(tmp_path / "nan"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bad_steps_in_a_row_stop_and_keep_last_good_checkpoint(data, tmp_path, capsys):
+    out = tmp_path / "stop"
+    rc = cli.main(args(data, out, "--save-every", "2", "--max-bad-steps", "3", "--debug-nan-steps", "3,4,5,6"))
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "stopped after 3 bad steps in a row at step 5" in err and "step-0000002" in err
+    assert find_checkpoint(str(out)).endswith("step-0000002")
+    assert not os.path.exists(out / "config.json")  # no final model from a stopped run
+    assert [r.get("skipped") is not None for r in train_rows(out)] == [False, False, True, True, True]
+
+
+# ----------------------------------------------------------------------------------------------- distributed
+
+
+def test_two_process_ddp_matches_single_process(data, tmp_path):
+    """Same global batch (4 rows: 2 per process). Reduction order differs, so equality is to ~1e-5, not bitwise.
+    Jitter is off: each process draws its own jitter noise."""
+    extra = ["--feedback-start", "0.5", "--prefix-mix", "0.5", "--jitter", "0"]
+    single = tmp_path / "single"
+    assert cli.main(args(data, single, *extra, steps=4)) == 0
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "fullband.cli"] + args(data, ddp, *extra, steps=4)
+    p = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = losses(single), losses(ddp)
+    assert [x[0] for x in b] == [1, 2, 3, 4] and [x[3] for x in b] == [1, 1, 2, 2]
+    for (_, la, pa, _), (_, lb, pb, _) in zip(a, b):
+        assert la == pytest.approx(lb, abs=1e-5)
+        assert pa == pytest.approx(pb, abs=1e-5)
+    ma = fullband.modeling.load_model(str(single)).state_dict()
+    mb = fullband.modeling.load_model(str(ddp)).state_dict()
+    assert max((ma[k] - mb[k]).abs().max().item() for k in ma) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_config_file_yaml_and_toml(tmp_path):
+    (tmp_path / "c.yaml").write_text("steps: 7\nnum-passes: 3\nlr: 1.0e-3\n")
+    (tmp_path / "c.toml").write_text("steps = 9\nfeedback_start = 0.5\n")
+    c = make_config({"steps": 11}, str(tmp_path / "c.yaml"))
+    assert (c.steps, c.num_passes, c.lr) == (11, 3, 1e-3)  # the command line wins over the file
+    c = make_config({}, str(tmp_path / "c.toml"))
+    assert (c.steps, c.feedback_start) == (9, 0.5)
+    (tmp_path / "bad.yaml").write_text("stepz: 3\n")
+    with pytest.raises(ValueError, match="unknown option 'stepz'"):
+        read_config_file(str(tmp_path / "bad.yaml"))
+
+
+def test_bad_values_and_missing_files_leave_checkpoints_untouched(data, finished, tmp_path, capsys):
+    before = tree_hashes(finished)
+    (tmp_path / "bad_value.toml").write_text('steps = "ten"\n')
+    (tmp_path / "unknown.yaml").write_text("no_such_option: 1\n")
+    (tmp_path / "broken.yaml").write_text("steps: [1, 2\n")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["train", "--resume", "--out", finished, "--lr", "-1"], "--lr must be > 0"),
+        (["train", "--resume", "--out", finished, "--seq-len", "16"], "--seq-len differ"),
+        (["train", "--resume", "--out", finished, "--batch-size", "3", "--grad-accum", "2"], "divisible"),
+        (["train", "--resume", "--out", finished, "--prefix-mix", "0.1"], "precedes the feedback start"),
+        (args(data, finished), "already holds a run"),
+        (args(data, finished, "--steps", "0"), "--steps must be >= 1"),
+        (args(data, finished, "--num-passes", "0"), "num_passes"),
+        (args(data, finished, "--prefix-mix", "1.5"), "--prefix-mix"),
+        (args(data, finished, "--lr-schedule", "linear"), "--lr-schedule"),
+        (args(data, finished, "--preset", "huge"), "unknown preset"),
+        (["train", "--out", finished, "--config", str(tmp_path / "missing.yaml")], "does not exist"),
+        (["train", "--out", finished, "--config", str(tmp_path / "bad_value.toml")], "--steps must be an integer"),
+        (["train", "--out", finished, "--config", str(tmp_path / "unknown.yaml")], "unknown option"),
+        (["train", "--out", finished, "--config", str(tmp_path / "broken.yaml")], "could not be parsed"),
+        (args(str(tmp_path / "nope.jsonl"), finished, "--overwrite"), "does not exist"),
+        (args(data, finished, "--overwrite", "--init-from", str(tmp_path / "nope")), "does not exist"),
+        (args(data, finished, "--overwrite", "--tokenizer", str(tmp_path / "nope")), "does not exist"),
+        (["train", "--resume", "--out", str(tmp_path / "empty")], "no checkpoint"),
+        (["train", "--resume", "--out", str(tmp_path / "never")], "no checkpoint"),
+    ]
+    for argv, message in cases:
+        rc = cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2, (argv, err)
+        assert err.startswith("fullband train: error:") and "\n" not in err and message in err, (argv, err)
+        assert tree_hashes(finished) == before, argv
+    assert not os.path.exists(tmp_path / "never")
+
+
+# ----------------------------------------------------------------------------------------------- bench, quickstart
+
+
+def test_benchmark_train_reports_three_cases():
+    from types import SimpleNamespace
+
+    from fullband.train import benchmark_train, format_benchmark
+
+    res = benchmark_train(SimpleNamespace(preset="micro", batch_size=2, seq_len=16, vocab_size=300, steps=1,
+                                          warmup=0, device="cpu", precision="fp32"))
+    assert set(res["results"]) == {"K1", "K2", "K2_detach"}
+    assert res["ratio_K2_K1"] > 0 and "K=2 / K=1" in format_benchmark(res)
+
+
+def test_quickstart_smoke(tmp_path, capsys):
+    out = tmp_path / "qs"
+    rc = cli.main(["quickstart", "--out", str(out), "--preset", "micro", "--steps", "4", "--batch-size", "2",
+                   "--seq-len", "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "1",
+                   "--sample-tokens", "4", "--prompt-tokens", "4", "--no-progress", "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| baseline | standard |" in printed and "exact" in printed
+    res = json.loads((out / "results.json").read_text())
+    for key in ("baseline_val_loss", "fbt_val_loss", "fbt_standard_val_loss", "fbt_passes_val_loss", "fbt_exact_val_loss"):
+        assert isinstance(res[key], float)
+    assert res["fbt_val_loss"] == res["fbt_exact_val_loss"] and res["eval_tokens"] == 2 * 31
+    assert (out / "report.md").read_text().count("| FBT |") == 3 and (out / "curves.png").is_file()
+    from transformers import AutoModelForCausalLM
+
+    for name in ("baseline", "fbt"):
+        model = AutoModelForCausalLM.from_pretrained(out / name)
+        assert isinstance(model, fullband.FullBandwidthForCausalLM)
+        assert (out / name / "tokenizer.json").is_file()
+    assert AutoModelForCausalLM.from_pretrained(out / "baseline").config.default_feedback_mode == "standard"
+    # same tokens for both runs; the baseline never ran more than one pass
+    base, fbt = train_rows(out / "baseline"), train_rows(out / "fbt")
+    assert [r["tokens"] for r in base] == [r["tokens"] for r in fbt]
+    assert all(r["num_passes"] == 1 for r in base) and fbt[-1]["num_passes"] > 1
