@@ -1,0 +1,149 @@
+"""``fullband experiment``: the interpolation and FLOP counting behind the data-efficiency report, and smoke runs of
+both experiments at a tiny size (``micro`` preset, a few steps)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import pytest
+
+from fullband import cli
+from fullband.experiments import crossing, flop_parameters, loss_at, parse_multipliers, training_flops
+from fullband.io import read_jsonl
+
+WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------- interpolation
+
+
+def test_crossing_interpolates_in_log_tokens():
+    curve = [(100, 5.0), (200, 4.0), (400, 3.0)]
+    c = crossing(curve, 3.5)
+    assert c["status"] == "inside" and c["monotone"]
+    assert c["x"] == pytest.approx(math.sqrt(200 * 400))  # halfway in loss = halfway in log-tokens
+    assert crossing(curve, 4.0)["x"] == pytest.approx(200)
+    assert crossing(curve, 5.2) == {"x": None, "status": "below_range", "monotone": True}
+    assert crossing(curve, 2.9) == {"x": None, "status": "above_range", "monotone": True}
+    # a non-monotone curve: the first crossing, flagged
+    bumpy = [(100, 5.0), (200, 3.8), (400, 4.1), (800, 3.0)]
+    c = crossing(bumpy, 4.0)
+    assert not c["monotone"] and 100 < c["x"] < 200
+    with pytest.raises(ValueError):
+        crossing([(1, 1.0)], 1.0)
+
+
+def test_loss_at_matched_compute():
+    curve = [(1e9, 5.0), (4e9, 3.0)]
+    assert loss_at(curve, 2e9)["loss"] == pytest.approx(4.0)
+    assert loss_at(curve, 5e8) == {"loss": None, "status": "below_range"}
+    assert loss_at(curve, 5e9) == {"loss": None, "status": "above_range"}
+
+
+def test_training_flops_count_every_pass():
+    fp = {"matmul_params": 1000, "fusion_params": 10, "layers": 2, "hidden": 8}
+    plain = [{"split": "train", "num_passes": 1}] * 4
+    fbt = [{"split": "train", "num_passes": k} for k in (1, 1, 2, 4)] + [{"split": "val", "val_loss": 1.0}]
+    per_pass = 6 * 1000 + 6 * 2 * 16 * 8
+    a = training_flops(plain, tokens_per_step=32, seq_len=16, fp=fp)
+    b = training_flops(fbt, tokens_per_step=32, seq_len=16, fp=fp)
+    assert a["flops"] == 32 * 4 * per_pass and a["tokens"] == b["tokens"] == 128
+    assert b["passes"] == 8 and b["flops"] == 32 * (8 * per_pass + 4 * 6 * 10)
+
+
+def test_flop_parameters_skip_an_untied_input_embedding():
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    fp = flop_parameters(model)
+    emb = model.get_input_embeddings().weight.numel()
+    assert fp["matmul_params"] == sum(p.numel() for p in model.backbone.parameters()) - emb
+    assert fp["fusion_params"] == sum(p.numel() for p in model.feedback.parameters()) > 0
+    gpt2 = tiny_model("gpt2")  # tied: the embedding matrix is also the LM head, a matmul
+    assert flop_parameters(gpt2)["matmul_params"] == sum(p.numel() for p in gpt2.backbone.parameters())
+
+
+def test_parse_multipliers():
+    assert parse_multipliers("1.5,0.5,1") == [0.5, 1.0, 1.5]
+    for bad in ("0.5,1.5", "1", "a,1", "-1,1"):
+        with pytest.raises(ValueError):
+            parse_multipliers(bad)
+
+
+# ----------------------------------------------------------------------------------------------- smoke runs
+
+
+def test_data_efficiency_smoke(data, tmp_path, capsys):
+    out = tmp_path / "de"
+    rc = cli.main(["experiment", "data-efficiency", "--out", str(out), "--preset", "micro", "--steps", "4",
+                   "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--data", data,
+                   "--multipliers", "0.5,1,1.5", "--eval-rows", "2", "--feedback-start", "0.5", "--no-progress",
+                   "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "effective token multiplier" in printed and "baseline at FBT's FLOPs" in printed
+    res = json.loads((out / "results.json").read_text())
+    base = {p["multiplier"]: p for p in res["baselines"]}
+    assert [base[m]["steps"] for m in (0.5, 1.0, 1.5)] == [2, 4, 6]
+    assert base[1.5]["tokens"] == 3 * base[0.5]["tokens"] == 6 * 64
+    fbt = res["fbt"]
+    assert fbt["tokens"] == base[1.0]["tokens"] and fbt["flops"] > base[1.0]["flops"]
+    assert fbt["passes"] == 1 + 1 + 2 + 2
+    assert set(fbt["modes"]) == {"standard", "passes", "exact"} and res["headline_mode"] == "exact"
+    for c in res["comparisons"].values():
+        assert c["token_status"] in ("inside", "below_range", "above_range")
+        assert (c["token_multiplier"] is None) == (c["token_status"] != "inside")
+    assert (out / "report.md").is_file() and (out / "loss_vs_tokens_flops.png").is_file()
+    # same data order and the shared prefix: FBT's first steps are the 1x baseline's, bit for bit
+    runs = out / "runs"
+    train = lambda d: [r for r in read_jsonl(str(runs / d / "metrics.jsonl")) if r.get("split") == "train"]
+    assert [r["loss"] for r in train("fbt-1.00x")[:2]] == [r["loss"] for r in train("baseline-1.00x")[:2]]
+    assert train("baseline-0.50x")[0]["loss"] == train("baseline-1.50x")[0]["loss"]  # same first batch and init
+    assert all(r["num_passes"] == 1 for d in ("baseline-0.50x", "baseline-1.00x", "baseline-1.50x") for r in train(d))
+    assert not os.path.exists(runs / "fbt-1.00x" / "checkpoints")
+
+
+def test_data_efficiency_user_errors(data, tmp_path, capsys):
+    common = ["experiment", "data-efficiency", "--out", str(tmp_path / "x"), "--preset", "micro", "--steps", "4",
+              "--data", data, "--no-progress", "--quiet"]
+    assert cli.main(common + ["--multipliers", "0.5,2"]) == 2
+    assert "must include 1" in capsys.readouterr().err
+    assert cli.main(common + ["--num-passes", "1"]) == 2
+    assert cli.main(common + ["--set", "nonsense=1"]) == 2
+    assert "--set" in capsys.readouterr().err
+    assert cli.main(common + ["--multipliers", "0.9,1", "--steps", "2"]) == 2  # same steps twice
+    assert not (tmp_path / "x").exists()
+
+
+def test_reasoning_smoke(tmp_path, capsys):
+    out = tmp_path / "rs"
+    rc = cli.main(["experiment", "reasoning", "--out", str(out), "--preset", "micro", "--steps", "4",
+                   "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--train-problems", "60",
+                   "--test-problems", "5", "--max-new-tokens", "6", "--feedback-start", "0.5", "--bootstrap", "100",
+                   "--task-option", "num_ops=1,2", "--no-progress", "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| baseline/standard |" in printed and "| FBT/exact |" in printed and "McNemar" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in res["runs"]] == ["baseline/standard", "FBT/standard", "FBT/soft", "FBT/exact"]
+    assert len(res["comparisons"]) == 3 + 2
+    for c in res["comparisons"]:
+        assert 0 <= c["mcnemar_p"] <= 1 and c["n"] == 5 and "length_difference" in c
+    train_q = {json.loads(l)["text"].split("\n")[0] for l in (out / "data" / "train.jsonl").read_text().splitlines()}
+    test_q = {"Q: " + json.loads(l)["question"] for l in (out / "data" / "test.jsonl").read_text().splitlines()}
+    assert not (train_q & test_q)  # no held-out question was trained on
+    assert res["config"]["task_options"] == {"num_ops": [1, 2]}
+    assert (out / "report.md").is_file()
