@@ -319,6 +319,17 @@ def test_quickstart_smoke(tmp_path, capsys):
     assert (out / "report.md").read_text().count("| FBT |") == 3 and (out / "curves.png").is_file()
     from transformers import AutoModelForCausalLM
 
+    assert res["fbt_minus_baseline"]["exact"]["estimate"] == pytest.approx(res["fbt_val_loss"] - res["baseline_val_loss"])
+    # the table's figures are fullband.evaluate's, on the same rows
+    from fullband.data import load_tokenizer
+    from fullband.evaluate import evaluate_loss, evaluation_rows
+    from fullband.train import spread_rows
+
+    fbt_model = fullband.modeling.load_model(str(out / "fbt"))
+    val_rows, _ = evaluation_rows(load_tokenizer(str(out / "fbt")), None, "val", seq_len=32)
+    rows = spread_rows(val_rows, 2)
+    for mode in ("standard", "passes", "exact"):
+        assert evaluate_loss(fbt_model, rows, mode)["loss"] == pytest.approx(res[f"fbt_{mode}_val_loss"], abs=1e-6)
     for name in ("baseline", "fbt"):
         model = AutoModelForCausalLM.from_pretrained(out / name)
         assert isinstance(model, fullband.FullBandwidthForCausalLM)
@@ -328,3 +339,27 @@ def test_quickstart_smoke(tmp_path, capsys):
     base, fbt = train_rows(out / "baseline"), train_rows(out / "fbt")
     assert [r["tokens"] for r in base] == [r["tokens"] for r in fbt]
     assert all(r["num_passes"] == 1 for r in base) and fbt[-1]["num_passes"] > 1
+
+
+# ----------------------------------------------------------------------------------------------- io
+
+
+def test_atomic_writes_and_torn_jsonl(tmp_path):
+    from fullband.io import append_jsonl, atomic_directory, atomic_write_json
+
+    atomic_write_json(str(tmp_path / "a.json"), {"x": 1})
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]  # no temp files left
+    d = tmp_path / "dir"
+    with atomic_directory(str(d)) as tmp:
+        open(os.path.join(tmp, "f"), "w").write("old")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(str(d)) as tmp:
+            open(os.path.join(tmp, "f"), "w").write("new")
+            raise RuntimeError("killed half-way")
+    assert (d / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "dir"]
+    log = str(tmp_path / "m.jsonl")
+    append_jsonl(log, {"step": 1})
+    with open(log, "a") as f:
+        f.write('{"step": 2, "lo')  # a writer killed mid-line
+    assert read_jsonl(log) == [{"step": 1}]

@@ -55,7 +55,6 @@ def init_distributed(device: str = "auto") -> DistEnv:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return DistEnv(device=dev)
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)

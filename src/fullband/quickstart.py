@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -114,23 +113,43 @@ def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tok
     return out, how
 
 
+@torch.no_grad()
+def per_row_losses(model, rows: torch.Tensor, mode: str, num_passes: int = 2, batch_size: int = 16) -> torch.Tensor:
+    """Mean next-token NLL of each row ``[N]`` in ``mode`` (standard / passes / exact), computed as
+    :func:`fullband.evaluate.evaluate_loss` computes its total (rows have equal length, so the mean of these is the
+    per-token mean)."""
+    import torch.nn.functional as F
+
+    model.eval()
+    out = []
+    for i in range(0, rows.shape[0], batch_size):
+        ids = rows[i:i + batch_size]
+        if mode == "exact":
+            logits = model.recurrent_forward(ids).logits
+        else:
+            logits = model(ids, num_passes=num_passes if mode == "passes" else 1).logits
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+        out.append(nll.view(ids.shape[0], -1).double().mean(1))
+    return torch.cat(out)
+
+
 def _table(rows: list[dict]) -> str:
-    lines = ["| model | mode | val loss (nats/token) | perplexity | Δ vs baseline | tokens |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    base = rows[0]["loss"]
+    lines = ["| model | mode | val loss (nats/token) | perplexity | Δ vs baseline [95% CI] |",
+             "| --- | --- | ---: | ---: | ---: |"]
     for r in rows:
-        delta = "" if r is rows[0] else f"{r['loss'] - base:+.4f}"
-        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {delta} | {r['tokens']:,} |")
+        d = r.get("delta")
+        delta = "" if d is None else f"{d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
+        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {delta} |")
     return "\n".join(lines)
 
 
 def run_quickstart(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from .evaluate import evaluate_loss
     from .modeling import load_model
+    from .stats import bootstrap_ci
     from .plotting import plot_loss_curves
-    from .train import build_tokenizer_and_corpus, find_checkpoint, train
+    from .train import build_tokenizer_and_corpus, spread_rows, train
 
     hf_logging.disable_progress_bar()
     t_all = time.perf_counter()
@@ -179,17 +198,26 @@ def run_quickstart(args) -> dict:
     t = time.perf_counter()
     baseline = load_model(base_cfg.out).eval()
     fbt = load_model(fbt_cfg.out).eval()
-    rows = corpus.val_rows[: args.eval_rows]
-    say(f"quickstart: evaluating on {rows.shape[0]} held-out rows ({rows[:, 1:].numel():,} predicted tokens)")
+    rows = spread_rows(corpus.val_rows, args.eval_rows)
+    say(f"quickstart: evaluating on {rows.shape[0]} of {corpus.val_rows.shape[0]} held-out rows "
+        f"({rows[:, 1:].numel():,} predicted tokens)")
     K = args.num_passes
-    evals = [
-        ("baseline", "standard", "standard", evaluate_loss(baseline, rows, "standard")),
-        ("FBT", "standard (K=1, no feedback)", "standard", evaluate_loss(fbt, rows, "standard")),
-        ("FBT", f"passes (K={K}, teacher-forced)", "passes", evaluate_loss(fbt, rows, "passes", num_passes=K)),
-        ("FBT", "exact (token-by-token recurrence)", "exact", evaluate_loss(fbt, rows, "exact")),
-    ]
+    plan = [("baseline", baseline, "standard", "standard"),
+            ("FBT", fbt, "standard (K=1, no feedback)", "standard"),
+            ("FBT", fbt, f"passes (K={K}, teacher-forced)", "passes"),
+            ("FBT", fbt, "exact (token-by-token recurrence)", "exact")]
+    table_rows, base_rows = [], None
+    for model_name, model, label, mode in plan:
+        per_row = per_row_losses(model, rows, mode, num_passes=K)
+        loss = float(per_row.mean())
+        entry = {"model": model_name, "label": label, "mode": mode, "num_passes": K if mode == "passes" else None,
+                 "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(rows[:, 1:].numel())}
+        if base_rows is None:
+            base_rows = per_row
+        else:  # paired over the same rows: a percentile bootstrap over rows of the per-row differences
+            entry["delta"] = bootstrap_ci((per_row - base_rows).tolist(), seed=args.seed).as_dict()
+        table_rows.append(entry)
     t_eval = time.perf_counter() - t
-    table_rows = [{"model": m, "label": label, "mode": mode, **r} for m, label, mode, r in evals]
 
     # ---- samples
     t = time.perf_counter()
@@ -204,7 +232,7 @@ def run_quickstart(args) -> dict:
                       "FBT": os.path.join(fbt_cfg.out, "metrics.jsonl")}, curves,
                      title=f"quickstart: {args.preset}, {base_cfg.steps} steps x {base_cfg.batch_size * base_cfg.seq_len:,} tokens")
     wall = time.perf_counter() - t_all
-    by = {e[2] if e[0] == "FBT" else "baseline": e[3] for e in evals}
+    by = {e["mode"] if e["model"] == "FBT" else "baseline": e for e in table_rows}
     results = {
         "baseline_val_loss": by["baseline"]["loss"],
         "fbt_val_loss": by["exact"]["loss"],
@@ -213,7 +241,8 @@ def run_quickstart(args) -> dict:
         "fbt_passes_val_loss": by["passes"]["loss"],
         "fbt_passes_num_passes": K,
         "fbt_exact_val_loss": by["exact"]["loss"],
-        "eval_rows": int(rows.shape[0]),
+        "fbt_minus_baseline": {m: by[m]["delta"] for m in ("standard", "passes", "exact")},
+        "eval_rows": int(rows.shape[0]), "val_rows": int(corpus.val_rows.shape[0]),
         "eval_tokens": by["baseline"]["tokens"],
         "table": table_rows,
         "train_tokens_per_model": base_cfg.steps * base_cfg.batch_size * base_cfg.seq_len,
@@ -241,6 +270,7 @@ def run_quickstart(args) -> dict:
 
 def _report(res: dict, table: str, args) -> str:
     d = res["fbt_val_loss"] - res["baseline_val_loss"]
+    ci = res["fbt_minus_baseline"]["exact"]
     verdict = ("lower (better) than" if d < 0 else "higher (worse) than" if d > 0 else "equal to")
     sec = res["seconds"]
     lines = [
@@ -260,12 +290,14 @@ def _report(res: dict, table: str, args) -> str:
          "draws) and were trained once: the FBT run continued from the baseline's checkpoint at that step."
          if res["shared_prefix_steps"] else "Both runs were trained from scratch."),
         "",
-        f"## Held-out loss ({res['eval_rows']} rows of the held-out works "
+        f"## Held-out loss ({res['eval_rows']} of the {res['val_rows']} rows of the held-out works, spread evenly over them: "
         f"{', '.join(res['val_documents'])}; {res['eval_tokens']:,} predicted tokens, the same rows for every line)",
         "",
         table,
         "",
-        f"FBT in exact mode (what decoding with feedback computes) is {abs(d):.4f} nats/token {verdict} the baseline. "
+        f"FBT in exact mode (what decoding with feedback computes) is {abs(d):.4f} nats/token {verdict} the baseline "
+        f"(95% CI of the difference {ci['low']:+.4f} to {ci['high']:+.4f}: a percentile bootstrap over the "
+        f"{res['eval_rows']} rows, paired; rows of one work are correlated, so read it as optimistic). "
         "Modes: *standard* = one ordinary pass, no feedback; *passes* = the K-pass teacher-forced forward used in "
         "training; *exact* = the true recurrence, each position fused with the previous position's final state.",
         "",

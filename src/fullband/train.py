@@ -730,13 +730,21 @@ def _clear_outputs(out: str) -> None:
             os.unlink(p)
 
 
+def spread_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` rows spread evenly over ``rows`` (all when there are fewer): every held-out document gets its share,
+    where the first ``n`` rows would all come from the first document."""
+    if n >= rows.shape[0]:
+        return rows
+    return rows[torch.linspace(0, rows.shape[0] - 1, n).round().long()]
+
+
 def _evaluate(run: Run, val_rows: torch.Tensor, step: int, start_step_fb: int) -> dict | None:
     from .evaluate import evaluate_loss
 
     if val_rows.shape[0] == 0:
         return None
     model = D.unwrap(run.model)
-    rows = val_rows[: run.cfg.eval_rows]
+    rows = spread_rows(val_rows, run.cfg.eval_rows)
     rec = {"step": step, "split": "val", "tokens": step * run.cfg.batch_size * run.cfg.seq_len,
            "val_loss": evaluate_loss(model, rows, "standard", batch_size=max(1, run.cfg.batch_size // run.env.world_size))["loss"],
            "val_tokens": rows[:, 1:].numel()}
