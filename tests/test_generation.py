@@ -215,6 +215,17 @@ def test_sampling_is_reproducible_and_consistent(llama):
     assert torch.equal(lean[0], lean[1])
 
 
+def test_lean_sampling_filters(llama):
+    ids = random_ids(2, 5)
+    greedy = generate(llama, ids, mode="soft", max_new_tokens=5, ignore_eos=True).sequences
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4)):
+        sampled = generate(llama, ids, mode="soft", max_new_tokens=5, ignore_eos=True, do_sample=True,
+                           generator=torch.Generator().manual_seed(0), **kw).sequences
+        assert torch.equal(sampled, greedy), kw
+    with pytest.raises(ValueError, match="temperature"):
+        generate(llama, ids, mode="soft", max_new_tokens=2, do_sample=True, temperature=0.0)
+
+
 @pytest.mark.parametrize("mode", ["soft", "exact"])
 def test_beam_search_state_follows_reordering(llama, mode):
     ids, mask, _ = padded_batch([6, 4], seed=2)
