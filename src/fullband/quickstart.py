@@ -133,6 +133,14 @@ def per_row_losses(model, rows: torch.Tensor, mode: str, num_passes: int = 2, ba
     return torch.cat(out)
 
 
+def _loadavg() -> float | None:
+    """The 1-minute load average (other processes competing for the CPUs make the wall time longer)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def _table(rows: list[dict]) -> str:
     lines = ["| model | mode | val loss (nats/token) | perplexity | Δ vs baseline [95% CI] |",
              "| --- | --- | ---: | ---: | ---: |"]
@@ -153,6 +161,7 @@ def run_quickstart(args) -> dict:
 
     hf_logging.disable_progress_bar()
     t_all = time.perf_counter()
+    load_start = _loadavg()
     for name in ("steps", "batch_size", "seq_len", "eval_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -255,7 +264,8 @@ def run_quickstart(args) -> dict:
         "lr": fbt_cfg.resolved_lr(), "seed": args.seed, "val_documents": corpus.val_docs,
         "train_documents": len(corpus.train_docs), "corpus_train_tokens": corpus.train_rows.numel(),
         "seconds": {"data": t_data, "train": t_train, "eval": t_eval, "samples": t_samples, "total": wall},
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": [load_start, _loadavg()],
+        "torch": torch.__version__, "platform": platform.platform(),
         "samples": samples, "sampling": how,
     }
     atomic_write_json(os.path.join(args.out, "results.json"), results)
@@ -317,7 +327,9 @@ def _report(res: dict, table: str, args) -> str:
         "## Run",
         "",
         f"Wall time {sec['total']:.0f}s (data {sec['data']:.0f}s, training {sec['train']:.0f}s, evaluation "
-        f"{sec['eval']:.0f}s, samples {sec['samples']:.0f}s) on {res['threads']} CPU thread(s), torch {res['torch']}.",
+        f"{sec['eval']:.0f}s, samples {sec['samples']:.0f}s) on {res['threads']} CPU thread(s) of {res['cpu_count']} "
+        f"CPUs (1-minute load average {res['load_average'][0]} at the start, {res['load_average'][1]} at the end), "
+        f"torch {res['torch']}.",
         "",
         "Models: `baseline/` and `fbt/` (`save_pretrained` + tokenizer; `import fullband` then "
         "`AutoModelForCausalLM.from_pretrained(dir)`), metrics in each `metrics.jsonl`, figures in `results.json`.",
