@@ -398,3 +398,5 @@ def test_cli_bench_decode_json(capsys):
     assert {("standard", "lean"), ("soft", "lean"), ("fused", "hf"), ("exact", "lean"), ("standard", "hf")} <= runs
     assert len({m["kv_bytes"] for m in size["cache"].values()}) == 1
     assert 0 < size["flop_overhead"]["soft"] < 0.5
+    assert size["paired_decode_ratios"]["soft/standard lean b1"] > 0
+    assert all(r["same_tokens_as_lean"] for r in size["runs"] if r["loop"] == "hf")

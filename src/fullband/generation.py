@@ -427,6 +427,13 @@ class _Runner:
         fused = fused.to(embeds.dtype)
         return fused if keep is None else torch.where(keep.unsqueeze(-1), fused, embeds)
 
+    def step(self, tokens, state, attention_mask, position_ids, cache):
+        """One decode step for the new ``tokens`` ``[B]`` that follow ``state``: (logits [B, V], new state)."""
+        if self.mode == "standard":
+            return self.forward(tokens[:, None], None, attention_mask, position_ids, cache)
+        fused = self.fuse(state, tokens, self.embed(tokens))
+        return self.forward(None, fused[:, None], attention_mask, position_ids, cache)
+
     def prefill(self, input_ids, attention_mask, position_ids, cache):
         B, P = input_ids.shape
         if self.mode == "fused":
@@ -578,11 +585,7 @@ def _run(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_pass
             break
         pos = positions[:, P + i:P + i + 1]
         mask = full_mask[:, :P + i + 1] if full_mask is not None else None
-        if feedback:
-            e = runner.embed(tok)
-            logits, state = runner.forward(None, runner.fuse(state, tok, e)[:, None], mask, pos, cache)
-        else:
-            logits, state = runner.forward(tok[:, None], None, mask, pos, cache)
+        logits, state = runner.step(tok, state, mask, pos, cache)
     _sync(device)
     t2, c2 = time.perf_counter(), time.process_time()
     if feedback:
@@ -627,6 +630,38 @@ def generate(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | 
                 top_p=top_p, generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                 stopping=stopping, streamer=streamer, cache_implementation=cache_implementation,
                 output_logits=output_logits)
+
+
+@torch.inference_mode()
+def interleaved_decode_times(model, input_ids: torch.LongTensor, modes: Sequence[str], steps: int,
+                             cache_implementation: str = "auto", clock: Callable[[], float] = time.process_time,
+                             prefill_passes: int = 1) -> dict[str, list[float]]:
+    """Per-step decode times of several modes run in lockstep on the same prompt (greedy, no padding): step i of
+    every mode runs back to back, in an order that rotates every step, so a slow patch of a shared machine hits all
+    modes alike. Returns ``{mode: [seconds per step]}``; the paired ratio of the medians is the decode cost of
+    feedback, free of the noise that separate runs suffer."""
+    B, P = input_ids.shape
+    _check_length(model, P, steps + 1)
+    positions = torch.arange(P + steps + 1, device=input_ids.device).expand(B, -1)
+    lanes = []
+    for mode in modes:
+        runner = _Runner(model, resolve_mode(model, mode), prefill_passes)
+        cache = _make_cache(runner, cache_implementation, P + steps + 1)
+        logits, state = runner.prefill(input_ids, None, positions[:, :P], cache)
+        lanes.append([runner, cache, logits, state])
+    times = {mode: [] for mode in modes}
+    for i in range(steps):
+        pos = positions[:, P + i:P + i + 1]
+        for k in range(len(lanes)):
+            j = (i + k) % len(lanes)
+            runner, cache, logits, state = lanes[j]
+            _sync(input_ids.device)
+            t = clock()
+            tok = logits.argmax(-1)
+            lanes[j][2], lanes[j][3] = runner.step(tok, state, None, pos, cache)
+            _sync(input_ids.device)
+            times[modes[j]].append(clock() - t)
+    return times
 
 
 def score(model, input_ids: torch.LongTensor, continuation_ids: torch.LongTensor,
