@@ -30,9 +30,8 @@ Owns
   a continuation under a decode mode;
 * the ``fullband generate`` command.
 
-Which mode should be the default for a feedback model: ``fused`` with one prefill pass (``prefill_passes=1``).
-``config.default_feedback_mode`` is still ``soft`` (set by the core config and by ``fullband train`` / ``sft``); the
-measurements below are why it should become ``fused``.
+The default mode of a feedback model (``config.default_feedback_mode``) is ``fused`` with one prefill pass
+(``prefill_passes=1``), chosen from the measurements below.
 
 Evidence (CPU, this repository, held-out text; continuation NLL in nats/token from :func:`score`, i.e. the
 teacher-forced decode of a 64-token continuation after a 64-token prompt; "vs fused" is the paired per-window mean
@@ -77,10 +76,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, StaticCache
 
+from .configuration import DECODE_MODES
 from .feedback import GLUFusion, build_feedback_mask
 
-MODES = ("standard", "soft", "fused", "exact")
-FEEDBACK_MODES = ("soft", "fused", "exact")
+MODES = DECODE_MODES  # ("standard", "soft", "fused", "exact"), one list with the config's validation
+FEEDBACK_MODES = tuple(m for m in MODES if m != "standard")
 
 # ------------------------------------------------------------------------------------------------ modes
 
