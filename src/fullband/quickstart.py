@@ -365,4 +365,12 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--quiet", action="store_true", help="print only the table")
-    p.set_defaults(func=lambda args: (run_quickstart(args), 0)[1])
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args) -> int:
+    from .train import tune_cpu_allocator
+
+    tune_cpu_allocator()
+    run_quickstart(args)
+    return 0
