@@ -230,7 +230,11 @@ def run_quickstart(args) -> dict:
 
     # ---- samples
     t = time.perf_counter()
-    samples, how = _samples({"baseline": (baseline, ["standard"]), "FBT": (fbt, ["standard", "soft", "exact"])},
+    try:
+        from .generation import MODES as decode_modes
+    except ImportError:  # pragma: no cover
+        decode_modes = ("standard",)
+    samples, how = _samples({"baseline": (baseline, ["standard"]), "FBT": (fbt, list(decode_modes))},
                             corpus.tokenizer, corpus.val_rows, args.samples, args.prompt_tokens, args.sample_tokens,
                             args.seed)
     t_samples = time.perf_counter() - t
@@ -266,7 +270,7 @@ def run_quickstart(args) -> dict:
         "seconds": {"data": t_data, "train": t_train, "eval": t_eval, "samples": t_samples, "total": wall},
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": [load_start, _loadavg()],
         "torch": torch.__version__, "platform": platform.platform(),
-        "samples": samples, "sampling": how,
+        "samples": samples, "sampling": how, "fbt_default_mode": fbt.config.default_feedback_mode,
     }
     atomic_write_json(os.path.join(args.out, "results.json"), results)
     table = _table(table_rows)
@@ -315,6 +319,10 @@ def _report(res: dict, table: str, args) -> str:
         "",
         f"## Samples ({res['sampling']}, held-out prompts)",
         "",
+        "Decode modes (`fullband.generation`): *standard* = no feedback; *soft* = the prompt read plainly, every "
+        "generated token fused with the previous state; *fused* = as soft after extra Jacobi passes over the prompt; "
+        "*exact* = the prompt itself through the exact recurrence, then as soft. Same seed per prompt for every line.",
+        "",
     ]
     by_prompt = {}
     for s in res["samples"]:
@@ -322,7 +330,8 @@ def _report(res: dict, table: str, args) -> str:
     for j, items in sorted(by_prompt.items()):
         lines += [f"### Prompt {j + 1}", "", "```", items[0]["prompt"], "```", ""]
         for s in items:
-            lines += [f"**{s['model']}, {s['mode']}**", "", "```", s["continuation"], "```", ""]
+            default = " (its default decode mode)" if s["model"] == "FBT" and s["mode"] == res.get("fbt_default_mode") else ""
+            lines += [f"**{s['model']}, {s['mode']}{default}**", "", "```", s["continuation"], "```", ""]
     lines += [
         "## Run",
         "",
