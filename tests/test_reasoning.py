@@ -243,7 +243,7 @@ def test_real_decoding_in_every_mode(model_dir, plain_dir):
     model, tok = load_any_model(model_dir, device="cpu")
     problems = R.arithmetic_problems(3, seed=0)
     assert R.available_modes(model) == ("standard", "soft", "fused", "exact")
-    assert R.default_modes(model) == ["standard", "soft"]
+    assert R.default_modes(model) == ["standard", model.config.default_feedback_mode] == ["standard", "fused"]
     for mode in R.available_modes(model):
         records = R.evaluate_reasoning(model, tok, problems, mode, max_new_tokens=6, batch_size=2)
         assert len(records) == 3
