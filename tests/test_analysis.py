@@ -334,8 +334,13 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert main(["analyze", "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
 
 
-def test_atomic_write_fallback(tmp_path):
+def test_report_files_are_atomic_and_readable(tmp_path):
+    from fullband.io import atomic_write_bytes
+
     path = tmp_path / "sub" / "x.json"
-    A._atomic_write_fallback(str(path), b"one")
-    A._atomic_write_fallback(str(path), b"two")
+    atomic_write_bytes(str(path), b"one")
+    atomic_write_bytes(str(path), b"two")
     assert path.read_bytes() == b"two" and os.listdir(path.parent) == ["x.json"]
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777  # not mkstemp's 0600

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, tiny_backbone, tiny_backbone_config, tiny_model
+from conftest import TEXTS, random_ids, tiny_backbone, tiny_backbone_config, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -17,39 +17,6 @@ from fullband.cli import main as cli_main
 from fullband.data import embedded_corpus, load_documents, split_documents, train_tokenizer
 from fullband.evaluate import (evaluate_loss, evaluate_model, evaluation_rows, load_any_model, report_markdown,
                                split_settings)
-
-TEXTS = [
-    "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
-    "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n",
-    "And by opposing end them. To die: to sleep;\nNo more; and by a sleep to say we end\n",
-]
-
-
-def save_model_dir(root, fusion: str = "glu", plain: bool = False, seed: int = 0) -> str:
-    """A tiny Llama (fullband-wrapped unless ``plain``) and a BPE tokenizer of matching vocabulary, saved."""
-    tok = train_tokenizer(TEXTS * 4, vocab_size=300)
-    cfg = tiny_backbone_config("llama", vocab_size=len(tok))
-    cfg.max_position_embeddings = 256
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    if not plain:
-        torch.manual_seed(seed + 1)
-        model = fullband.FullBandwidthForCausalLM.from_backbone(model, fusion=fusion)
-    path = str(root)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_model_dir(tmp_path_factory.mktemp("fullband"))
-
-
-@pytest.fixture(scope="module")
-def plain_dir(tmp_path_factory):
-    return save_model_dir(tmp_path_factory.mktemp("plain"), plain=True)
-
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):

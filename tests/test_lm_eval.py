@@ -16,22 +16,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
-from test_evaluate import TEXTS, save_model_dir  # noqa: E402
+from conftest import TEXTS  # noqa: E402
 
 from fullband import lm_eval_adapter as A  # noqa: E402
 from fullband.evaluate import evaluate_loss  # noqa: E402
 
 TEXT = TEXTS[0] + TEXTS[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_model_dir(tmp_path_factory.mktemp("fullband"))
-
-
-@pytest.fixture(scope="module")
-def plain_dir(tmp_path_factory):
-    return save_model_dir(tmp_path_factory.mktemp("plain"), plain=True)
 
 
 _LMS: dict = {}

@@ -7,21 +7,10 @@ import math
 
 import pytest
 import torch
-from test_evaluate import save_model_dir
 
 from fullband import reasoning as R
 from fullband.cli import main as cli_main
 from fullband.stats import bootstrap_ci, compare_paired, discordant_counts, mcnemar_exact
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_model_dir(tmp_path_factory.mktemp("fullband"))
-
-
-@pytest.fixture(scope="module")
-def plain_dir(tmp_path_factory):
-    return save_model_dir(tmp_path_factory.mktemp("plain"), plain=True)
 
 
 # ----------------------------------------------------------------------------- problems

@@ -30,13 +30,14 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .io import atomic_write_bytes
 
 DEFAULT_OUT = os.path.join("runs", "analyze")
 INTERVENTIONS = ("real", "zero", "shuffle", "other_doc", "plain")
@@ -869,33 +870,6 @@ def _has_tokenizer(path: str) -> bool:
 # ----------------------------------------------------------------------------------------------- report
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write through a temporary file and ``os.replace`` (fullband.io's helper where it exists), then give the
-    file the usual permissions (a temporary file is created private)."""
-    try:  # the training code's helper, where it exists
-        from .io import atomic_write_bytes  # type: ignore
-    except ImportError:
-        atomic_write_bytes = _atomic_write_fallback
-    atomic_write_bytes(path, data)
-    os.chmod(path, 0o644)
-
-
-def _atomic_write_fallback(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _save_figure(fig, path: str) -> None:
     import io
 
@@ -904,7 +878,7 @@ def _save_figure(fig, path: str) -> None:
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _atomic_write(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def make_plots(results: dict, out_dir: str) -> list[str]:
@@ -1127,8 +1101,8 @@ def write_report(results: dict, out_dir: str) -> list[str]:
     """``report.md``, ``analysis.json`` and the PNGs under ``out_dir`` (each written atomically)."""
     os.makedirs(out_dir, exist_ok=True)
     images = make_plots(results, out_dir)
-    _atomic_write(os.path.join(out_dir, "analysis.json"), json.dumps(results, indent=2).encode())
-    _atomic_write(os.path.join(out_dir, "report.md"), render_markdown(results, images).encode())
+    atomic_write_bytes(os.path.join(out_dir, "analysis.json"), json.dumps(results, indent=2).encode())
+    atomic_write_bytes(os.path.join(out_dir, "report.md"), render_markdown(results, images).encode())
     return ["report.md", "analysis.json", *images]
 
 

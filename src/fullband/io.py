@@ -42,10 +42,18 @@ def _parent(path: str) -> str:
     return parent
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, with the permissions a plain ``open(path, "wb")`` would give."""
     parent = _parent(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
