@@ -145,5 +145,5 @@ def test_reasoning_smoke(tmp_path, capsys):
     train_q = {json.loads(l)["text"].split("\n")[0] for l in (out / "data" / "train.jsonl").read_text().splitlines()}
     test_q = {"Q: " + json.loads(l)["question"] for l in (out / "data" / "test.jsonl").read_text().splitlines()}
     assert not (train_q & test_q)  # no held-out question was trained on
-    assert res["config"]["task_options"] == {"num_ops": [1, 2]}
+    assert res["config"]["task_options"] == {"num_ops": [1, 2], "ops": "+-"}  # the default ops, num_ops given
     assert (out / "report.md").is_file()

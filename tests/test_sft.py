@@ -170,14 +170,14 @@ def test_sft_end_to_end_from_fullband_model(dirs, tmp_path, capsys):
     rc = cli.main(sft_args(dirs["fb"], out, "--feedback-start", "0.5", "--save-every", "2"))
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "held-out assistant-token loss" in printed and "exact recurrence" in printed and "| soft |" in printed
+    assert "held-out assistant-token loss" in printed and "exact recurrence" in printed and "| fused |" in printed
     rows = train_records(out)
     assert [r["num_passes"] for r in rows] == [1, 1, 2, 2]
     assert all(r["assistant_tokens"] > 0 and r["assistant_tokens"] < r["tokens_step"] for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "done" and summary["init_kind"] == "fullband"
     assert [e["mode"] for e in summary["eval"]] == ["standard", "passes", "exact"]
-    assert set(summary["generation"]) == {"standard", "soft"}
+    assert set(summary["generation"]) == {"standard", "fused"}  # the model's default feedback mode
     # the saved model and tokenizer load with plain HF entry points; the tokenizer carries the chat template
     from transformers import AutoTokenizer
 

@@ -21,8 +21,9 @@
 
 ``fullband experiment reasoning``
     A baseline and an FBT model trained on the same synthetic chain-of-thought data (:mod:`fullband.reasoning`:
-    multi-step arithmetic by default) for the same tokens, then greedy decoding on held-out problems (none of
-    whose questions occur in training): the baseline in standard mode, FBT in standard, soft and exact mode.
+    2-3 step addition and subtraction by default) for the same tokens, then greedy decoding on held-out problems
+    (none of whose questions occur in training): the baseline in standard mode, FBT in standard, soft and exact
+    mode.
     Reported: accuracy (math-verify), reasoning-trace length (tokens before ``####``), and paired statistics
     (exact McNemar on correctness, percentile-bootstrap CI of the trace-length difference) between the
     baseline and each FBT mode and between FBT's modes.
@@ -51,9 +52,15 @@ from .io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_j
 DE_DEFAULTS = dict(out=os.path.join("runs", "experiments", "data-efficiency"), preset="tiny", steps=100,
                    batch_size=16, seq_len=256, vocab_size=4096, multipliers="0.5,0.75,1,1.25,1.5", eval_rows=128,
                    data="shakespeare")
-RS_DEFAULTS = dict(out=os.path.join("runs", "experiments", "reasoning"), preset="tiny", steps=300, batch_size=16,
-                   seq_len=128, vocab_size=512, task="arithmetic", train_problems=20000, test_problems=200,
+RS_DEFAULTS = dict(out=os.path.join("runs", "experiments", "reasoning"), preset="tiny", steps=600, batch_size=16,
+                   seq_len=128, vocab_size=300, task="arithmetic", train_problems=20000, test_problems=200,
                    max_new_tokens=64)
+# The default arithmetic problems are 2-3 additions / subtractions of 1..9 ("3+8-9=?" -> "3+8=11; 11-9=2. #### 2"):
+# a chain a `tiny` model learns within the CPU budget. Probes of the baseline (tiny, 16 x 128 tokens a step): the
+# generator's own default (2-4 operators with *) reached 3.5% accuracy after 300 steps (512-entry BPE) and 10% after
+# 600 (300-entry BPE), too close to the floor to compare anything; 2-3 of +/- (300-entry BPE) reached 9% after 300
+# steps and 94% after 600, hence 600 steps.
+TASK_DEFAULTS = {"arithmetic": {"num_ops": (2, 3), "ops": "+-"}}
 
 # recipe knobs shared by both experiments: (flag, TrainConfig field, type)
 RECIPE = (("--feedback-start", "feedback_start", float), ("--num-passes", "num_passes", int),
@@ -120,19 +127,26 @@ def add_recipe_arguments(p) -> None:
 
 
 def add_common_arguments(p, defaults: dict) -> None:
-    p.add_argument("--out", default=defaults["out"], help="output directory")
-    p.add_argument("--preset", default=defaults["preset"], help="model size preset (micro, tiny, small, gpt2-small)")
-    p.add_argument("--steps", type=int, default=defaults["steps"], help="optimizer steps of the FBT run (1.0x)")
+    p.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
+    p.add_argument("--preset", default=defaults["preset"],
+                   help="model size preset (micro, tiny, small, gpt2-small) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help="optimizer steps per model (data-efficiency: of the FBT run, the 1.0x budget) "
+                        "(default: %(default)s)")
     p.add_argument("--tokens", type=int, default=None,
-                   help="training tokens of the FBT run (1.0x) instead of --steps (rounded up to whole steps)")
-    p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="rows per step")
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="tokens per row")
-    p.add_argument("--vocab-size", type=int, default=defaults["vocab_size"], help="BPE vocabulary size")
-    p.add_argument("--seed", type=int, default=0, help="seed of init, split, data order (shared by every run)")
+                   help="training tokens per model (data-efficiency: of the FBT run) instead of --steps (rounded "
+                        "up to whole steps)")
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help="rows per step (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="tokens per row (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=defaults["vocab_size"],
+                   help="BPE vocabulary size (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of init, split, data order (shared by every run) (default: %(default)s)")
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT run from scratch instead of branching it off the 1.0x baseline at the "
                         "feedback start (the two are bit-identical until then)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--quiet", action="store_true", help="print only the tables")
 
@@ -317,7 +331,8 @@ def run_data_efficiency(args) -> dict:
     for m in mults:
         s = max(1, round(m * steps))
         if s in budgets.values():
-            raise ValueError(f"--multipliers {args.multipliers!r} give the same number of steps twice at --steps {steps}")
+            raise ValueError(f"--multipliers {args.multipliers!r} give the same number of steps twice at "
+                             f"--steps {steps}")
         budgets[m] = s
     base_cfgs = {m: _plain(dataclasses.replace(fbt_cfg, out=os.path.join(runs_dir, f"baseline-{m:.2f}x"), steps=s,
                                                eval_every=s))
@@ -448,7 +463,8 @@ def data_efficiency_tables(res: dict) -> str:
                      f"| {p['loss']:.4f} |")
     f = res["fbt"]
     for mode, info in f["modes"].items():
-        lines.append(f"| {f['run']} | FBT / {info['label']} | {f['steps']} | {f['tokens']:,} | {_fmt_flops(f['flops'])} "
+        lines.append(f"| {f['run']} | FBT / {info['label']} | {f['steps']} | {f['tokens']:,} | "
+                     f"{_fmt_flops(f['flops'])} "
                      f"| {info['loss']:.4f} |")
     lines += ["", "| FBT mode | FBT loss | baseline 1.0x (same tokens) | Δ | effective token multiplier | "
                   "baseline at FBT's FLOPs | Δ (matched compute) | compute multiplier |",
@@ -501,7 +517,8 @@ def data_efficiency_report(res: dict, tables: str) -> str:
         "",
         tables,
         "",
-        f"**Headline (FBT in exact mode, what decoding computes):** {h['fbt_loss']:.4f} vs {h['baseline_same_tokens_loss']:.4f} "
+        f"**Headline (FBT in exact mode, what decoding computes):** {h['fbt_loss']:.4f} vs "
+        f"{h['baseline_same_tokens_loss']:.4f} "
         f"for the baseline on the same tokens (Δ {h['delta_same_tokens']:+.4f}); {verdict_tokens}; {verdict_compute}.",
         "",
         "Effective multiplier: the tokens (or FLOPs) at which the baseline curve reaches FBT's loss, by linear "
@@ -615,7 +632,7 @@ def run_reasoning_experiment(args) -> dict:
     fbt_modes = [m.strip() for m in args.fbt_modes.split(",") if m.strip()]
     if not fbt_modes or any(m not in MODES for m in fbt_modes):
         raise ValueError(f"--fbt-modes must be decode modes from {', '.join(MODES)}, got {args.fbt_modes!r}")
-    options = parse_task_options(args.task_option)
+    options = {**TASK_DEFAULTS.get(args.task, {}), **parse_task_options(args.task_option)}
     cot = not args.no_cot
 
     # ---- data: problems, documents, tokenizer, rows
@@ -786,7 +803,9 @@ def add_parser(sub) -> None:
     r.add_argument("--task", default=RS_DEFAULTS["task"], choices=["arithmetic", "state", "permutation"],
                    help="synthetic task (default: arithmetic)")
     r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
-                   help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable)")
+                   help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
+                        "num_ops=2,3 and ops=+- (the generator's own default, num_ops=2,4 ops=+-*, is too hard for "
+                        "the default budget)")
     r.add_argument("--train-problems", type=int, default=RS_DEFAULTS["train_problems"],
                    help=f"training problems (default: {RS_DEFAULTS['train_problems']})")
     r.add_argument("--test-problems", type=int, default=RS_DEFAULTS["test_problems"],

@@ -619,12 +619,14 @@ def load_init(cfg: SFTConfig, tokenizer=None):
                                         detach_state=cfg.detach_state)
         model = build_model(train_cfg, tokenizer)
         D.load_full_model_state(model, load_file(os.path.join(path, "model.safetensors")))
-        model.config.default_feedback_mode = "soft" if train_cfg.feedback_ever else "standard"
+        if not train_cfg.feedback_ever:
+            model.config.default_feedback_mode = "standard"
     else:
         try:
             backbone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"--init-from {path!r} is not a loadable HF causal LM: {str(err).splitlines()[0]}") from None
+            raise ValueError(f"--init-from {path!r} is not a loadable HF causal LM: "
+                             f"{str(err).splitlines()[0]}") from None
         bos, _ = special_ids(tokenizer)
         model = FullBandwidthForCausalLM.from_backbone(backbone, fusion=cfg.fusion, doc_start_token_id=bos, **feedback)
     vocab = model.get_input_embeddings().num_embeddings
@@ -737,7 +739,8 @@ def _sft(cfg: SFTConfig, env: D.DistEnv, resume: bool, overwrite: bool, conversa
     start = 0
     if ckpt is not None:
         D.load_full_model_state(model, load_file(os.path.join(ckpt, "model.safetensors")))
-        D.load_full_optimizer_state(model, optimizer, torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False))
+        D.load_full_optimizer_state(model, optimizer,
+                                    torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False))
         rng_file = os.path.join(ckpt, f"rng-rank{env.rank}.pt")
         if not os.path.exists(rng_file):
             rng_file = os.path.join(ckpt, "rng-rank0.pt")
@@ -949,7 +952,8 @@ def format_summary(summary: dict) -> str:
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for mode, g in summary["generation"].items():
             acc = "–" if g["accuracy"] is None else f"{g['accuracy']:.3f}"
-            lines.append(f"| {mode} | {g['n']} | {g['graded']} | {acc} | {g['exact_match']:.3f} | {g['eos_rate']:.3f} |")
+            lines.append(f"| {mode} | {g['n']} | {g['graded']} | {acc} | {g['exact_match']:.3f} | "
+                         f"{g['eos_rate']:.3f} |")
         first = next(iter(summary["generation"].values()))["records"][:2]
         for r in first:
             lines += ["", f"> User: {r['prompt']}", f"> Reference: {r['reference']}", f"> Reply: {r['reply']}"]
