@@ -454,6 +454,7 @@ class SFTConfig(TrainConfig):
     seq_len: int = _f(256, "longest conversation in tokens (longer ones are truncated)", group="data")
     init_from: str | None = _f(None, "the model to tune: a saved fullband model, a `fullband train` run or "
                                "checkpoint directory, or a plain HF causal-LM directory (retrofitted)", group="model")
+    lr: float | None = _f(None, "peak learning rate (default: 3e-4)", group="optim")
     feedback_start: float = _f(0.0, "fraction of the steps trained plain before feedback switches on (0: the "
                                "checkpoint was pre-trained with feedback)", branch=True, group="feedback")
     eval_rows: int = _f(64, "held-out conversations used by the periodic evaluation", traj=False, group="log")
