@@ -242,10 +242,16 @@ def read_config_file(path: str) -> dict:
         raise FileNotFoundError(f"config file {path!r} does not exist")
     with open(path, "rb") as f:
         raw = f.read()
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise ValueError("TOML config files need Python 3.11+ (or `pip install tomli`); use a YAML file") from None
     try:
         if path.endswith(".toml"):
-            import tomllib
-
             data = tomllib.loads(raw.decode("utf-8"))
         else:
             import yaml
