@@ -47,19 +47,15 @@ def embedded_corpus() -> list[Document]:
 
 
 def _read_jsonl(path: str) -> list[Document]:
+    from .io import iter_jsonl_objects
+
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{n}: each line must be an object with a string 'text' field")
-            docs.append(Document(str(record.get("name", record.get("id", f"{os.path.basename(path)}:{n}"))),
-                                 record["text"]))
+    expected = "an object with a string 'text' field"
+    for n, record in iter_jsonl_objects(path, expected):
+        if not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{n}: each line must be {expected}")
+        docs.append(Document(str(record.get("name", record.get("id", f"{os.path.basename(path)}:{n}"))),
+                             record["text"]))
     return docs
 
 

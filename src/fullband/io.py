@@ -176,3 +176,19 @@ def read_jsonl(path: str) -> list[dict]:
 
 def rewrite_jsonl(path: str, records: list[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
+
+
+def iter_jsonl_objects(path: str, expected: str = "a JSON object"):
+    """``(line_number, record)`` for each non-blank line of a jsonl file; ``ValueError`` naming the line when a line
+    is not valid JSON or not a JSON object (``expected`` says what a line should be)."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: each line must be {expected}")
+            yield n, record

@@ -115,18 +115,10 @@ def read_chat_jsonl(path: str) -> list[list[dict]]:
     """Conversations (lists of messages) from a chat jsonl file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"chat data file {path!r} does not exist")
-    convs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{n}: each line must be an object with a 'messages' list")
-            convs.append(check_conversation(record, f"{path}:{n}"))
+    from .io import iter_jsonl_objects
+
+    convs = [check_conversation(record, f"{path}:{n}") for n, record in
+             iter_jsonl_objects(path, "an object with a 'messages' list")]
     if not convs:
         raise ValueError(f"chat data file {path!r} holds no conversations")
     return convs
