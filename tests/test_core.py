@@ -165,6 +165,23 @@ def test_state_never_crosses_documents():
     assert maxdiff(inputs[2][0, 4], inputs[5][0, 4]) == 0.0  # doc B's start: plain in both
 
 
+def test_a_real_previous_document_state_is_not_used_at_a_document_start():
+    """Hand the model a real state from another document (``prev_hidden``): a row that starts a new document
+    (BOS) ignores it, in the K-pass forward and in the exact recurrence; a row that continues uses it."""
+    model = tiny_model("llama")
+    doc_a = torch.tensor([[BOS, 5, 6, 40, 41, 7]])
+    state = model(doc_a, num_passes=3).last_hidden_state[:, -1]  # doc A's real final state
+    assert state.abs().max() > 0.1
+    doc_b = torch.tensor([[BOS, 8, 9, 10, 11]])
+    for k in (1, 2, 5):
+        alone = model(doc_b, num_passes=k).logits
+        after_a = model(doc_b, num_passes=k, prev_hidden=state).logits
+        assert maxdiff(alone, after_a) == 0.0, k
+    cont = torch.tensor([[8, 9, 10, 11]])  # no BOS: the same state is taken and changes every position
+    changed = model(cont, num_passes=2, prev_hidden=state).logits
+    assert (changed - model(cont, num_passes=2).logits).abs().amax(-1).min() > 1e-4
+
+
 def test_prefix_mixing_is_per_document_and_seeded():
     starts = document_starts(torch.tensor([[BOS, 5, 6, 7, 8, BOS, 9, 10, 11, 12, 13, 14]] * 64), BOS)
     m1 = prefix_mixing_mask(starts, 0.5, torch.Generator().manual_seed(3))

@@ -233,12 +233,20 @@ def test_real_decoding_in_every_mode(model_dir, plain_dir):
     problems = R.arithmetic_problems(3, seed=0)
     assert R.available_modes(model) == ("standard", "soft", "fused", "exact")
     assert R.default_modes(model) == ["standard", model.config.default_feedback_mode] == ["standard", "fused"]
+    prompts = [R.format_prompt(p, (), True) for p in problems]
     for mode in R.available_modes(model):
         records = R.evaluate_reasoning(model, tok, problems, mode, max_new_tokens=6, batch_size=2)
+        completions = R.generate_completions(model, tok, prompts, mode, max_new_tokens=6, batch_size=2)
         assert len(records) == 3
-        for r in records:
+        for p, prompt, r, toks in zip(problems, prompts, records, completions):
             assert 0 <= r["trace_tokens"] <= r["generated_tokens"] <= 6
-            assert isinstance(r["correct"], bool)
+            assert r["correct"] == R.grade(r["answer"], p.answer) and r["marker_found"] == (r["answer"] is not None)
+            # batched, left-padded, stopped decoding = the same prompt decoded alone by HF generate() in that mode
+            ids = tok(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                alone = model.generate(ids, feedback_mode=mode, max_new_tokens=6, do_sample=False,
+                                       pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+            assert toks == alone[:len(toks)] and len(toks) >= 1, (mode, toks, alone)
     plain, ptok = load_any_model(plain_dir, device="cpu")
     assert R.available_modes(plain) == ("standard",)
     with pytest.raises(ValueError, match="not available"):

@@ -62,26 +62,9 @@ def is_fullband(model) -> bool:
 
 def load_any_model(path: str):
     """A saved fullband model, or a plain Hugging Face causal LM directory (for a baseline)."""
-    from transformers import AutoModelForCausalLM
-
     from .modeling import load_model
 
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a saved model (save_pretrained output)")
-    with open(cfg_path) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type == "fullband":
-        model = load_model(path)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path)
-        except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"could not load a causal LM from {path!r}: {str(err).splitlines()[0]}") from None
-    return model.eval()
+    return load_model(path).eval()
 
 
 def backbone_of(model) -> nn.Module:
@@ -840,7 +823,9 @@ def run_analysis(opts: AnalyzeOptions) -> dict:
     _check_fits(model, data, "model")
     baseline = bdata = None
     if opts.baseline:
-        baseline = load_any_model(opts.baseline)
+        # a baseline is the plain LM it is: a fullband checkpoint given as the baseline (e.g. one written before
+        # baselines were saved plainly, with a fusion it never trained) is scored through its backbone alone
+        baseline = backbone_of(load_any_model(opts.baseline))
         # the baseline reads the text with its own tokenizer when it has one (the same rows when they agree)
         btok = _tokenizer_for(opts.baseline)[0] if _has_tokenizer(opts.baseline) else tokenizer
         bdata = analysis_rows(btok, opts.data, opts.seq_len, opts.max_tokens)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 MODES = ("standard", "passes", "exact")
+SCORING_MODES = ("standard", "passes", "exact", "soft", "fused")  # the decode modes plus teacher-forced K passes
 
 
 def _is_fullband(model) -> bool:
@@ -30,8 +31,64 @@ def _is_fullband(model) -> bool:
     return isinstance(model, FullBandwidthForCausalLM)
 
 
-def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+@torch.no_grad()
+def token_nll(model, ids: torch.Tensor, mode: str = "standard", num_passes: int = 2, prompt_length: int = 0,
+              prefill_passes: int = 1) -> torch.Tensor:
+    """Next-token NLL ``[B, T - max(1, prompt_length)]`` of the tokens ``ids[:, max(1, prompt_length):]``, in ``mode``:
+
+    * ``standard`` one plain pass; ``passes`` the K-pass teacher-forced forward (``num_passes``); ``exact`` the
+      token-by-token recurrence over the whole row -- each needs only the row;
+    * ``soft`` / ``fused``: the first ``prompt_length`` tokens are the prompt (plain, or with ``prefill_passes``
+      Jacobi passes), the rest is scored as a decode would see it (each token fused with the state before it).
+
+    A plain model (no latent feedback) allows ``standard`` only. This is the one place that maps a mode to the
+    model call; every evaluation in the package scores through it.
+    """
+    if mode not in SCORING_MODES:
+        raise ValueError(f"unknown scoring mode {mode!r}: choose one of {', '.join(SCORING_MODES)}")
+    if mode != "standard" and not _is_fullband(model):
+        raise ValueError(f"mode {mode!r} needs a fullband model (one with latent feedback); this one has none")
+    start = max(1, prompt_length)
+    if start >= ids.shape[1]:
+        raise ValueError(f"prompt_length {prompt_length} leaves nothing to score in rows of {ids.shape[1]} tokens")
+    if mode in ("soft", "fused"):
+        from .generation import score
+
+        if prompt_length < 1:
+            raise ValueError(f"mode {mode!r} scores a continuation: give prompt_length >= 1")
+        logp = score(model, ids[:, :start], ids[:, start:], mode=mode, prefill_passes=prefill_passes)
+        return -logp.float()
+    if mode == "exact":
+        logits = model.recurrent_forward(ids).logits
+    elif _is_fullband(model):
+        logits = model(ids, num_passes=num_passes if mode == "passes" else 1).logits
+    else:
+        logits = model(input_ids=ids).logits
+    logits = logits[:, start - 1:-1].float()
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, start:].flatten(), reduction="none").view(ids.shape[0], -1)
+
+
+@torch.no_grad()
+def row_losses(model, rows: torch.Tensor, mode: str = "standard", num_passes: int = 2, prompt_length: int = 0,
+               batch_size: int = 16, progress: bool = False) -> torch.Tensor:
+    """Mean NLL of each row ``[N]`` (float64) in ``mode`` (see :func:`token_nll`); rows have equal length, so
+    the mean of these is the per-token mean."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    starts = range(0, rows.shape[0], batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"eval {mode}", unit="batch", leave=False)
+    out = []
+    try:
+        for i in starts:
+            nll = token_nll(model, rows[i:i + batch_size].to(device), mode, num_passes, prompt_length)
+            out.append(nll.double().mean(1).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -40,34 +97,13 @@ def evaluate_loss(model, rows: torch.Tensor, mode: str = "standard", num_passes:
     """``{"loss", "perplexity", "tokens", "mode", "num_passes"}`` over ``rows`` ``[N, T]`` (all positions predicted)."""
     if mode not in MODES:
         raise ValueError(f"unknown evaluation mode {mode!r}: choose one of {', '.join(MODES)}")
-    if mode != "standard" and not _is_fullband(model):
-        raise ValueError(f"mode {mode!r} needs a fullband model (one with latent feedback); this one has none")
     if rows.dim() != 2 or rows.shape[1] < 2 or rows.shape[0] == 0:
         raise ValueError(f"need at least one evaluation row of >= 2 tokens, got shape {tuple(rows.shape)}")
     if max_rows is not None:
         rows = rows[:max_rows]
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    starts = range(0, rows.shape[0], batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-
-        starts = tqdm(starts, desc=f"eval {mode}", unit="batch", leave=False)
-    try:
-        for i in starts:
-            ids = rows[i:i + batch_size].to(device)
-            if mode == "exact":
-                logits = model.recurrent_forward(ids).logits
-            elif _is_fullband(model):
-                logits = model(ids, num_passes=num_passes if mode == "passes" else 1).logits
-            else:
-                logits = model(input_ids=ids).logits
-            total += float(_nll_sum(logits, ids))
-            count += ids[:, 1:].numel()
-    finally:
-        model.train(was_training)
+    per_row = row_losses(model, rows, mode, num_passes, batch_size=batch_size, progress=progress)
+    count = rows[:, 1:].numel()
+    total = float(per_row.sum()) * (rows.shape[1] - 1)
     loss = total / count
     return {"mode": mode, "num_passes": num_passes if mode == "passes" else (1 if mode == "standard" else None),
             "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
@@ -85,35 +121,15 @@ def load_any_model(path: str, device: str | None = None, dtype: str | None = Non
 
     ``dtype`` is ``None`` (as saved), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     """
-    import json
-    import os
-
     from .data import load_tokenizer
     from .modeling import load_model
 
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a saved model (save_pretrained output)")
     kwargs = {}
     if dtype is not None:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {dtype!r}: choose float32, bfloat16 or float16")
         kwargs["dtype"] = getattr(torch, dtype)
-    with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
-    from .configuration import FullBandwidthConfig
-
-    if model_type == FullBandwidthConfig.model_type:
-        model = load_model(path, **kwargs)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"could not load a causal LM from {path!r}: {str(err).splitlines()[0]}") from None
+    model = load_model(path, **kwargs)
     tokenizer = load_tokenizer(path)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:

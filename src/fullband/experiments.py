@@ -819,3 +819,7 @@ def add_parser(sub) -> None:
     r.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default: 10000)")
     add_recipe_arguments(r)
     r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])
+
+    from .recipe import add_parser as add_recipe_parser  # recipe builds on this module's FLOP counting
+
+    add_recipe_parser(ex)

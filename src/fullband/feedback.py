@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-FUSIONS = ("glu", "concat", "add")
+FUSIONS = ("glu", "residual", "concat", "add")
 
 
 class GLUFusion(nn.Module):
@@ -41,21 +41,40 @@ class GLUFusion(nn.Module):
         self.out_norm = nn.RMSNorm(embed_dim, eps=eps)
 
     @torch.no_grad()
-    def reset_parameters(self, embed_rms: float) -> None:
-        nn.init.normal_(self.gate_proj.weight, std=1.0 / math.sqrt(self.gate_proj.in_features))
-        nn.init.normal_(self.value_proj.weight, std=1.0 / math.sqrt(self.value_proj.in_features))
+    def reset_parameters(self, embed_rms: float, generator: torch.Generator | None = None) -> None:
+        nn.init.normal_(self.gate_proj.weight, std=1.0 / math.sqrt(self.gate_proj.in_features), generator=generator)
+        nn.init.normal_(self.value_proj.weight, std=1.0 / math.sqrt(self.value_proj.in_features), generator=generator)
         nn.init.constant_(self.out_norm.weight, embed_rms)
 
     def gate(self, token_embeds: torch.Tensor) -> torch.Tensor:
         """``sigmoid(W_G norm(e))``: a function of the token alone."""
         return torch.sigmoid(self.gate_proj(self.embed_norm(token_embeds)))
 
-    def fuse_gated(self, prev_hidden: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """The per-token part once the gate is known: ``norm(W_U h * gate)``."""
+    def fuse_gated(self, prev_hidden: torch.Tensor, gate: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """The per-token part once the gate is known: ``norm(W_U h * gate)`` (``token_embeds`` unused here)."""
         return self.out_norm(self.value_proj(prev_hidden) * gate)
 
     def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        return self.fuse_gated(prev_hidden, self.gate(token_embeds))
+        return self.fuse_gated(prev_hidden, self.gate(token_embeds), token_embeds)
+
+
+class ResidualGLUFusion(GLUFusion):
+    """Token-preserving entry: ``u_t = e_t + norm(W_U h_{t-1} * sigmoid(W_G norm(e_t)))``, where the output
+    norm's gain starts at 0.
+
+    The token embedding stays on the input path (the paper's GLU reaches the stack with the token only through the
+    sigmoid gate); the fed-back term is the paper's GLU, added on top. With the gain at 0 the fused input equals
+    ``e_t`` exactly, so switching feedback on does not change the model until training moves the gain. Same
+    parameters (and names) as :class:`GLUFusion`.
+    """
+
+    @torch.no_grad()
+    def reset_parameters(self, embed_rms: float, generator: torch.Generator | None = None) -> None:
+        super().reset_parameters(embed_rms, generator)
+        nn.init.zeros_(self.out_norm.weight)
+
+    def fuse_gated(self, prev_hidden: torch.Tensor, gate: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return token_embeds + super().fuse_gated(prev_hidden, gate, token_embeds).to(token_embeds.dtype)
 
 
 class ConcatFusion(nn.Module):
@@ -67,11 +86,11 @@ class ConcatFusion(nn.Module):
         self.embed_dim = embed_dim
 
     @torch.no_grad()
-    def reset_parameters(self, embed_rms: float) -> None:
+    def reset_parameters(self, embed_rms: float, generator: torch.Generator | None = None) -> None:
         d, w = self.embed_dim, self.proj.weight
         w.zero_()
         w[:, :d].copy_(torch.eye(d, dtype=w.dtype, device=w.device))
-        nn.init.normal_(w[:, d:], std=0.1 * embed_rms / math.sqrt(w.shape[1] - d))
+        nn.init.normal_(w[:, d:], std=0.1 * embed_rms / math.sqrt(w.shape[1] - d), generator=generator)
 
     def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return self.proj(torch.cat([token_embeds, prev_hidden.to(token_embeds.dtype)], dim=-1))
@@ -85,14 +104,14 @@ class AddFusion(nn.Module):
         self.proj = nn.Linear(hidden_size, embed_dim, bias=False)
 
     @torch.no_grad()
-    def reset_parameters(self, embed_rms: float) -> None:
-        nn.init.normal_(self.proj.weight, std=0.1 * embed_rms / math.sqrt(self.proj.in_features))
+    def reset_parameters(self, embed_rms: float, generator: torch.Generator | None = None) -> None:
+        nn.init.normal_(self.proj.weight, std=0.1 * embed_rms / math.sqrt(self.proj.in_features), generator=generator)
 
     def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return token_embeds + self.proj(prev_hidden)
 
 
-_FUSION_CLASSES = {"glu": GLUFusion, "concat": ConcatFusion, "add": AddFusion}
+_FUSION_CLASSES = {"glu": GLUFusion, "residual": ResidualGLUFusion, "concat": ConcatFusion, "add": AddFusion}
 
 
 def check_fusion_name(name: str) -> str:

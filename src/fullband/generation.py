@@ -417,7 +417,7 @@ class _Runner:
         """Input of tokens ``[B]`` that follow ``state`` ``[B, d]``: fused, except at document starts and where
         ``allowed`` is False."""
         if self.table is not None:
-            fused = self.fusion.fuse_gated(state, self.table[tokens])
+            fused = self.fusion.fuse_gated(state, self.table[tokens], embeds)
         else:
             fused = self.fusion(state, embeds)
         keep = allowed

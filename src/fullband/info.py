@@ -12,6 +12,9 @@ def describe(model_dir: str) -> dict:
     model = load_model(model_dir)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
+    if not hasattr(model, "feedback"):
+        return {"path": os.path.abspath(model_dir), "backbone": cfg.model_type, "parameters": n_params,
+                "fusion": None, "note": "a plain causal LM without latent feedback: only the standard mode applies"}
     n_fusion = sum(p.numel() for p in model.feedback.parameters())
     return {
         "path": os.path.abspath(model_dir),

@@ -9,10 +9,12 @@ against. The backbone is used as it is: architecture, KV cache and LM head are u
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
@@ -36,6 +38,11 @@ class FullBandwidthOutput(ModelOutput):
     pass_losses: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
     cache: Cache | None = None
+
+
+def embedding_rms(embeddings) -> float:
+    """RMS of an embedding matrix: the scale the fused input is initialised to."""
+    return float(embeddings.weight.detach().float().pow(2).mean().sqrt())
 
 
 def max_positions(config) -> int | None:
@@ -84,7 +91,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         embed_dim = embeddings.embedding_dim
         hidden_size = head.in_features if head is not None else embed_dim
         if config.embed_rms is None:
-            config.embed_rms = float(embeddings.weight.detach().float().pow(2).mean().sqrt())
+            config.embed_rms = embedding_rms(embeddings)
         eps = float(getattr(config.text_config, "rms_norm_eps", None) or getattr(config.text_config, "layer_norm_epsilon", None) or 1e-6)
         self.feedback = build_fusion(config.fusion, hidden_size, embed_dim, eps)
         self.feedback.reset_parameters(config.embed_rms)
@@ -92,6 +99,16 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         self.post_init()
 
     # ------------------------------------------------------------------ construction
+
+    @torch.no_grad()
+    def reset_feedback(self, generator: torch.Generator | None = None) -> None:
+        """Re-initialise the fusion at the embeddings' current scale (``config.embed_rms`` re-measured).
+
+        Training calls this when feedback switches on in a run whose fusion was built at step 0 and never trained:
+        by then the embeddings have moved away from their initial RMS, and the fused input should enter at their
+        current scale."""
+        self.config.embed_rms = embedding_rms(self.get_input_embeddings())
+        self.feedback.reset_parameters(self.config.embed_rms, generator)
 
     def _init_weights(self, module):
         # The backbone initialises itself (it is a PreTrainedModel of its own); the fusion is initialised in
@@ -190,7 +207,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 feedback_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
                 prev_hidden: torch.Tensor | None = None, cache: Cache | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0,
-                num_items_in_batch: torch.Tensor | None = None, **kwargs) -> FullBandwidthOutput:
+                num_items_in_batch: torch.Tensor | None = None, feedback_weight: float | None = None,
+                **kwargs) -> FullBandwidthOutput:
         """K-pass teacher-forced forward.
 
         Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
@@ -198,7 +216,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         shifted right by one wherever ``feedback_mask`` is True (default: :func:`fullband.feedback.build_feedback_mask`).
         In training mode the fed-back state gets the jitter of ``config.jitter`` and, with
         ``config.detach_state``, no gradient. A ``cache`` is filled by the last pass only and must then be empty
-        when ``num_passes > 1``.
+        when ``num_passes > 1``. ``feedback_weight`` overrides ``config.feedback_weight`` (λ) for this call (the
+        training loop ramps it at the feedback switch-on).
         """
         kwargs.pop("return_dict", None)
         kwargs.pop("output_hidden_states", None)
@@ -251,7 +270,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 out_cache = step_cache
             if labels is not None:
                 pass_losses.append(self._pass_loss(logits, labels, **loss_kwargs))
-        loss = combine_pass_losses(pass_losses, self.config.feedback_weight) if pass_losses else None
+        weight = self.config.feedback_weight if feedback_weight is None else feedback_weight
+        loss = combine_pass_losses(pass_losses, weight) if pass_losses else None
         return FullBandwidthOutput(
             loss=loss, logits=logits, last_hidden_state=hidden, cache=out_cache,
             pass_losses=torch.stack(pass_losses).detach() if pass_losses else None,
@@ -290,18 +310,23 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         return FullBandwidthOutput(logits=torch.cat(all_logits, 1), last_hidden_state=torch.cat(all_hidden, 1))
 
 
-def load_model(path: str, **kwargs) -> FullBandwidthForCausalLM:
-    """Load a saved fullband model from a local directory, with a one-line error when it is not one."""
+def load_model(path: str, **kwargs):
+    """Load a saved model from a local directory, with a one-line error when it is not one: a fullband model
+    (``FullBandwidthForCausalLM``), or a plain Hugging Face causal LM (returned as it is: no latent feedback, so
+    only the ``standard`` mode applies to it). A truncated or corrupt weights file is reported as such."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} has no config.json: not a saved model (save_pretrained output)")
-    import json
-
-    with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type != FullBandwidthConfig.model_type:
-        raise ValueError(f"{path!r} holds a {model_type!r} model, not a fullband one; retrofit it with "
-                         "FullBandwidthForCausalLM.from_backbone or `fullband train --init-from`")
-    return FullBandwidthForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"{os.path.join(path, 'config.json')!r} is not a readable config: {err}") from None
+    cls = FullBandwidthForCausalLM if model_type == FullBandwidthConfig.model_type else AutoModelForCausalLM
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"could not load the model in {path!r} (is a weights file truncated or corrupt?): {msg}") from None

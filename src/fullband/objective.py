@@ -67,3 +67,38 @@ class FeedbackSchedule:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SwitchOn:
+    """How feedback switches on: fractions of the feedback phase (the steps from the feedback start to the end).
+
+    * ``feedback_ramp``: λ ramps linearly from 0 to its value over this fraction (the pass-2..K losses enter
+      gradually instead of at full weight on a random fusion);
+    * ``fusion_warmup``: the fusion's learning rate warms up linearly from 0 over this fraction;
+    * ``fusion_only``: during this first fraction only the fusion trains; the backbone gets no update.
+
+    All three are functions of the step index alone, so a resumed run makes the same choices.
+    """
+
+    feedback_ramp: float = 0.0
+    fusion_warmup: float = 0.0
+    fusion_only: float = 0.0
+
+    @staticmethod
+    def _progress(step: int, start: int, total_steps: int, fraction: float) -> float:
+        if fraction <= 0 or step < start:
+            return 1.0 if step >= start else 0.0
+        span = max(1, round(fraction * (total_steps - start)))
+        return min(1.0, (step - start + 1) / span)
+
+    def feedback_weight_factor(self, step: int, start: int, total_steps: int) -> float:
+        return self._progress(step, start, total_steps, self.feedback_ramp)
+
+    def fusion_lr_factor(self, step: int, start: int, total_steps: int) -> float:
+        return self._progress(step, start, total_steps, self.fusion_warmup)
+
+    def backbone_frozen(self, step: int, start: int, total_steps: int) -> bool:
+        if self.fusion_only <= 0 or step < start:
+            return False
+        return step - start < round(self.fusion_only * (total_steps - start))

@@ -113,26 +113,6 @@ def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tok
     return out, how
 
 
-@torch.no_grad()
-def per_row_losses(model, rows: torch.Tensor, mode: str, num_passes: int = 2, batch_size: int = 16) -> torch.Tensor:
-    """Mean next-token NLL of each row ``[N]`` in ``mode`` (standard / passes / exact), computed as
-    :func:`fullband.evaluate.evaluate_loss` computes its total (rows have equal length, so the mean of these is the
-    per-token mean)."""
-    import torch.nn.functional as F
-
-    model.eval()
-    out = []
-    for i in range(0, rows.shape[0], batch_size):
-        ids = rows[i:i + batch_size]
-        if mode == "exact":
-            logits = model.recurrent_forward(ids).logits
-        else:
-            logits = model(ids, num_passes=num_passes if mode == "passes" else 1).logits
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-        out.append(nll.view(ids.shape[0], -1).double().mean(1))
-    return torch.cat(out)
-
-
 def _loadavg() -> float | None:
     """The 1-minute load average (other processes competing for the CPUs make the wall time longer)."""
     try:
@@ -154,7 +134,7 @@ def _table(rows: list[dict]) -> str:
 def run_quickstart(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from .modeling import load_model
+    from .evaluate import load_any_model, row_losses
     from .stats import bootstrap_ci
     from .plotting import plot_loss_curves
     from .train import build_tokenizer_and_corpus, spread_rows, train
@@ -205,8 +185,8 @@ def run_quickstart(args) -> dict:
 
     # ---- evaluation: the saved models, reloaded (checks they load), on the same held-out rows
     t = time.perf_counter()
-    baseline = load_model(base_cfg.out).eval()
-    fbt = load_model(fbt_cfg.out).eval()
+    baseline = load_any_model(base_cfg.out, device="cpu")[0]  # the plain backbone's own checkpoint
+    fbt = load_any_model(fbt_cfg.out, device="cpu")[0]
     rows = spread_rows(corpus.val_rows, args.eval_rows)
     say(f"quickstart: evaluating on {rows.shape[0]} of {corpus.val_rows.shape[0]} held-out rows "
         f"({rows[:, 1:].numel():,} predicted tokens)")
@@ -217,7 +197,7 @@ def run_quickstart(args) -> dict:
             ("FBT", fbt, "exact (token-by-token recurrence)", "exact")]
     table_rows, base_rows = [], None
     for model_name, model, label, mode in plan:
-        per_row = per_row_losses(model, rows, mode, num_passes=K)
+        per_row = row_losses(model, rows, mode, num_passes=K)
         loss = float(per_row.mean())
         entry = {"model": model_name, "label": label, "mode": mode, "num_passes": K if mode == "passes" else None,
                  "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(rows[:, 1:].numel())}
@@ -260,7 +240,7 @@ def run_quickstart(args) -> dict:
         "table": table_rows,
         "train_tokens_per_model": base_cfg.steps * base_cfg.batch_size * base_cfg.seq_len,
         "steps": base_cfg.steps, "batch_size": base_cfg.batch_size, "seq_len": base_cfg.seq_len,
-        "preset": args.preset, "parameters": sum(p.numel() for p in baseline.backbone.parameters()),
+        "preset": args.preset, "parameters": sum(p.numel() for p in baseline.parameters()),
         "fusion_parameters": sum(p.numel() for p in fbt.feedback.parameters()),
         "feedback_start_step": start, "shared_prefix_steps": start if share else 0,
         "num_passes": K, "deep_passes": fbt_cfg.deep_passes, "deep_fraction": fbt_cfg.deep_fraction,

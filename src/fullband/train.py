@@ -87,6 +87,7 @@ class TrainConfig:
     val_fraction: float = _f(0.1, "fraction of documents held out for validation", group="data")
     batch_size: int = _f(16, "global batch in rows per optimizer step (split over processes and --grad-accum micro-batches)", group="data")
     grad_accum: int = _f(1, "micro-batches per optimizer step (per process)", group="data")
+    data_offset: int = _f(0, "skip the first N batches of the data order (continue where an --init-from run stopped reading)", group="data")
     # ---- model
     preset: str = _f("tiny", "backbone size from scratch: tiny (~3M), small (~25M), gpt2-small (~125M at a 50k vocabulary); micro (d64, tests)", group="model")
     init_from: str | None = _f(None, "local HF causal-LM checkpoint to retrofit (or a fullband model to continue) instead of a preset", group="model")
@@ -105,6 +106,8 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2", group="optim")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)", group="optim")
     fusion_lr_mult: float = _f(1.0, "LR multiplier of the fusion weights' parameter groups", branch=True, group="optim")
+    fusion_warmup: float = _f(0.0, "fraction of the feedback phase over which the fusion LR warms up linearly from 0", branch=True, group="optim")
+    clip_per_group: bool = _f(False, "clip the backbone's and the fusion's gradient norms separately (each to --grad-clip)", branch=True, group="optim")
     precision: str = _f("auto", "auto (bf16 autocast on a GPU that supports it, else fp32), fp32 or bf16", group="optim")
     # ---- feedback schedule
     num_passes: int = _f(2, "K once feedback is on (1: a plain baseline)", branch=True, group="feedback")
@@ -112,6 +115,8 @@ class TrainConfig:
     deep_passes: int = _f(4, "K of the deep steps", branch=True, group="feedback")
     deep_fraction: float = _f(0.1, "fraction of the feedback steps that use --deep-passes", branch=True, group="feedback")
     prefix_mix: float = _f(0.25, "probability that a document keeps a random plain prefix on feedback steps", branch=True, group="feedback")
+    feedback_ramp: float = _f(0.0, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight", branch=True, group="feedback")
+    fusion_only: float = _f(0.0, "fraction of the feedback phase, at its start, in which only the fusion trains (backbone frozen)", branch=True, group="feedback")
     # ---- stability guard
     spike_factor: float = _f(3.0, "skip a step whose pass-1 loss exceeds this times its running average (0: off)", group="guard")
     max_bad_steps: int = _f(5, "stop after this many skipped steps in a row", traj=False, group="guard")
@@ -140,13 +145,20 @@ class TrainConfig:
     def schedule(self):
         from .objective import FeedbackSchedule
 
+        # --num-passes 1 is a plain baseline: no deep steps either
         return FeedbackSchedule(start_fraction=self.feedback_start, num_passes=self.num_passes,
-                                deep_passes=self.deep_passes, deep_fraction=self.deep_fraction)
+                                deep_passes=self.deep_passes,
+                                deep_fraction=self.deep_fraction if self.num_passes > 1 else 0.0)
+
+    def switch_on(self):
+        from .objective import SwitchOn
+
+        return SwitchOn(feedback_ramp=self.feedback_ramp, fusion_warmup=self.fusion_warmup, fusion_only=self.fusion_only)
 
     @property
     def feedback_ever(self) -> bool:
         sched = self.schedule()
-        return sched.start_step(self.steps) < self.steps and max(self.num_passes, self.deep_passes if self.deep_fraction > 0 else 1) > 1
+        return sched.start_step(self.steps) < self.steps and max(sched.num_passes, sched.deep_passes if sched.deep_fraction > 0 else 1) > 1
 
     def resolved_lr(self) -> float:
         if self.lr is not None:
@@ -191,6 +203,7 @@ class TrainConfig:
         need(0.0 <= self.val_fraction < 1.0, f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        need(self.data_offset >= 0, f"--data-offset must be >= 0, got {self.data_offset}")
         need(self.batch_size % (world_size * self.grad_accum) == 0,
              f"--batch-size {self.batch_size} must be divisible by processes x --grad-accum = {world_size} x {self.grad_accum}")
         if self.init_from is None:
@@ -209,6 +222,9 @@ class TrainConfig:
         need(self.fusion_lr_mult >= 0, f"--fusion-lr-mult must be >= 0, got {self.fusion_lr_mult}")
         need(self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         need(0.0 <= self.prefix_mix <= 1.0, f"--prefix-mix must be in [0, 1], got {self.prefix_mix}")
+        for name in ("fusion_warmup", "feedback_ramp", "fusion_only"):
+            v = getattr(self, name)
+            need(0.0 <= v <= 1.0, f"--{_flag(name)} must be in [0, 1], got {v}")
         self.schedule()  # start fraction, passes, deep fraction
         need(self.spike_factor == 0 or self.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1, got {self.spike_factor}")
         need(self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
@@ -436,14 +452,17 @@ def feedback_mask_for(batch: torch.Tensor, doc_start_id: int | None, prefix_mix:
     return mask
 
 
-def forward_backward(model, micro_batches, num_passes: int, autocast, nan: bool = False):
+def forward_backward(model, micro_batches, num_passes: int, autocast, nan: bool = False,
+                     feedback_weight: float | None = None):
     """Forward + backward over micro-batches (each ``(ids, feedback_mask)``); returns summed
-    ``(loss, pass_losses)`` tensors (divide by the number of micro-batches for the mean)."""
+    ``(loss, pass_losses)`` tensors (divide by the number of micro-batches for the mean). ``feedback_weight``
+    overrides the model's λ for these calls."""
     n = len(micro_batches)
     loss_sum, pass_sum = None, None
     for i, (ids, mask) in enumerate(micro_batches):
         with D.no_sync(model, skip=i < n - 1), autocast():
-            out = model(input_ids=ids, labels=ids, num_passes=num_passes, feedback_mask=mask)
+            out = model(input_ids=ids, labels=ids, num_passes=num_passes, feedback_mask=mask,
+                        feedback_weight=feedback_weight)
             loss = out.loss
             if nan:
                 loss = loss * float("nan")
@@ -454,6 +473,28 @@ def forward_backward(model, micro_batches, num_passes: int, autocast, nan: bool 
         loss_sum = ls if loss_sum is None else loss_sum + ls
         pass_sum = ps if pass_sum is None else pass_sum + ps
     return loss_sum, pass_sum
+
+
+def clip_gradients(params: list, max_norm: float) -> float:
+    """Clip the gradient norm of ``params`` to ``max_norm`` (0: no clipping); returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _fusion_was_trained(cfg: TrainConfig) -> bool:
+    """Whether the run starts from a fullband checkpoint, whose fusion may already be trained."""
+    if cfg.init_from is None:
+        return False
+    try:
+        with open(os.path.join(cfg.init_from, "config.json")) as f:
+            return json.load(f).get("model_type") == "fullband"
+    except (OSError, ValueError):
+        return False
 
 
 # ============================================================================================== checkpoints
@@ -834,6 +875,9 @@ def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corp
     if ckpt is not None:
         D.load_full_model_state(model, load_file(os.path.join(ckpt, "model.safetensors")))
         D.load_full_optimizer_state(model, optimizer, torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False))
+        # the saved groups carry the old run's options (lr_mult among them); options allowed to change win
+        for group, fresh in zip(optimizer.param_groups, param_groups(D.unwrap(model), cfg)):
+            group["lr_mult"] = fresh["lr_mult"]
         rng_file = os.path.join(ckpt, f"rng-rank{env.rank}.pt")
         if not os.path.exists(rng_file):
             rng_file = os.path.join(ckpt, "rng-rank0.pt")
@@ -855,8 +899,14 @@ def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corp
     micro = per_rank // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+    switch_on = cfg.switch_on()
     fusion_params = [p for n, p in D.unwrap(model).named_parameters() if n.startswith("feedback.")]
+    fusion_ids = {id(p) for p in fusion_params}
+    backbone_params = [p for p in model.parameters() if p.requires_grad and id(p) not in fusion_ids]
     all_params = [p for p in model.parameters() if p.requires_grad]
+    # a fusion built at step 0 (from scratch, or retrofitted onto a plain checkpoint) is re-initialised when
+    # feedback switches on, at the scale the embeddings have by then
+    fresh_fusion = cfg.feedback_ever and fb_start > 0 and not _fusion_was_trained(cfg)
     log = _Log(cfg, env, start, name)
     if env.is_main and start == 0:
         n_params = sum(p.numel() for p in D.unwrap(model).parameters())
@@ -874,10 +924,15 @@ def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corp
         for step in range(start, stop_at):
             t0 = time.perf_counter()
             K = sched.passes_at(step, cfg.steps)
+            if fresh_fusion and step == fb_start:
+                D.unwrap(model).reset_feedback(torch.Generator().manual_seed(cfg.seed * 31 + 7))
             lr = lr_at(step, cfg)
+            fusion_lr = lr * switch_on.fusion_lr_factor(step, fb_start, cfg.steps)
+            frozen = switch_on.backbone_frozen(step, fb_start, cfg.steps)
             for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_mult", 1.0)
-            batch = train_rows[batch_rows(step, cfg.batch_size, train_rows.shape[0], cfg.seed)]
+                group["lr"] = (fusion_lr if group["name"].startswith("fusion") else lr) * group.get("lr_mult", 1.0)
+            weight = cfg.feedback_weight * switch_on.feedback_weight_factor(step, fb_start, cfg.steps)
+            batch = train_rows[batch_rows(step + cfg.data_offset, cfg.batch_size, train_rows.shape[0], cfg.seed)]
             mask = feedback_mask_for(batch, doc_id, cfg.prefix_mix, prefix_gen) if K > 1 else None
             lo = env.rank * per_rank
             local = batch[lo:lo + per_rank].to(env.device)
@@ -885,20 +940,27 @@ def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corp
             micro_batches = [(local[i:i + micro], local_mask[i:i + micro] if local_mask is not None else None)
                              for i in range(0, per_rank, micro)]
             loss_sum, pass_sum = forward_backward(model, micro_batches, K, autocast,
-                                                  nan=(step + 1) in cfg.debug_nan_steps)
+                                                  nan=(step + 1) in cfg.debug_nan_steps, feedback_weight=weight)
             if K == 1:
                 for p in fusion_params:  # unused on a plain step: no update, no weight decay, as single-process
+                    p.grad = None
+            if frozen:
+                for p in backbone_params:  # fusion-only phase: the backbone is not updated
                     p.grad = None
             stats = D.all_reduce_mean(torch.cat([loss_sum.view(1), pass_sum]) / len(micro_batches), env)
             stats = stats.tolist()
             loss, pass_losses = stats[0], stats[1:]
             reason = guard.check(loss, pass_losses[0], None)
             grad_norm = float("nan")
+            fusion_norm = None
             if reason is None:
-                norm = torch.nn.utils.clip_grad_norm_(all_params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-                if hasattr(norm, "full_tensor"):
-                    norm = norm.full_tensor()
-                grad_norm = float(norm)
+                if cfg.clip_per_group:
+                    grad_norm = clip_gradients(backbone_params, cfg.grad_clip)
+                    if K > 1:
+                        fusion_norm = clip_gradients(fusion_params, cfg.grad_clip)
+                        grad_norm = math.hypot(grad_norm, fusion_norm)
+                else:
+                    grad_norm = clip_gradients(all_params, cfg.grad_clip)
                 reason = guard.check(loss, pass_losses[0], grad_norm)
             if reason is None:
                 optimizer.step()
@@ -908,9 +970,14 @@ def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corp
             optimizer.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             rec = {"step": step + 1, "split": "train", "loss": _clean(loss), "pass_losses": [_clean(v) for v in pass_losses],
-                   "num_passes": K, "lr": lr, "grad_norm": _clean(grad_norm),
+                   "num_passes": K, "lr": lr, "grad_norm": _clean(grad_norm), "feedback_weight": weight if K > 1 else None,
+                   "fusion_lr": next((g["lr"] for g in optimizer.param_groups if g["name"].startswith("fusion")), None) if K > 1 else None,
                    "tokens": (step + 1) * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
                    "elapsed": run.elapsed()}
+            if fusion_norm is not None:
+                rec["fusion_grad_norm"] = _clean(fusion_norm)
+            if frozen:
+                rec["backbone_frozen"] = True
             if reason is not None:
                 rec["skipped"] = reason
             log.record(rec)
@@ -971,9 +1038,10 @@ def _finish(run: Run, tokenizer) -> None:
         model = D.unwrap(run.model)
     if env.is_main:
         model.eval()
-        if not cfg.feedback_ever:  # a plain run: decode it plainly by default (its fusion was never trained)
-            model.config.default_feedback_mode = "standard"
-        atomic_save_pretrained(model, cfg.out, mode="merge")
+        # a plain run (feedback never on) is saved as the plain HF checkpoint of its backbone: its fusion was never
+        # trained, and `lm_eval --model hf`, `pipeline(...)` and `--init-from` take it as the plain model it is
+        saved = model if cfg.feedback_ever else model.backbone
+        atomic_save_pretrained(saved, cfg.out, mode="merge")
         atomic_save_pretrained(tokenizer, cfg.out, mode="merge")
         if cfg.plot:
             try:

@@ -1,0 +1,268 @@
+"""The feedback recipe: the token-preserving entry, switch-on levers (lambda ramp, fusion LR warm-up, per-group
+clipping, fusion-only phase), the switch-on re-scaling, options that survive --resume, plain baselines, decoding
+against a reference written from the equations with raw weights, and the recipe experiment's smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from conftest import BOS, random_ids, tiny_model
+from safetensors.torch import load_file
+
+import fullband
+from fullband import cli
+from fullband.io import read_jsonl
+from fullband.train import clip_gradients
+
+WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    rng = random.Random(1)
+    with open(path, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
+    return str(path)
+
+
+def train_args(data, out, *extra, steps=6):
+    return ["train", "--preset", "micro", "--steps", str(steps), "--out", str(out), "--seed", "0", "--data", data,
+            "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4", "--no-progress", "--no-tensorboard",
+            "--no-plot", *extra]
+
+
+def train_records(out):
+    return [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("split") == "train"]
+
+
+# ----------------------------------------------------------------------------------------------- the entry
+
+
+def test_residual_entry_is_exactly_the_plain_model_at_switch_on():
+    model = tiny_model("llama", fusion="residual")
+    ids = random_ids(2, 12, seed=3)
+    plain = model(ids, num_passes=1).logits
+    assert torch.equal(model(ids, num_passes=2).logits, plain)
+    torch.testing.assert_close(model.recurrent_forward(ids).logits, plain, atol=1e-5, rtol=1e-5)  # cached kernels
+    with torch.no_grad():
+        model.feedback.out_norm.weight.fill_(0.5)  # once training moves the gain, the state enters
+    assert (model(ids, num_passes=2).logits - plain).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------- a reference from raw weights
+
+
+def _rms(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def reference_fuse(model, h, e):
+    """Eq. 4 (and the residual entry) from the raw weight tensors: u = g * rms(W_U h * sigmoid(W_G rms(e)))."""
+    f, eps = model.feedback, model.config.text_config.rms_norm_eps
+    gate = torch.sigmoid(_rms(e, eps) @ f.gate_proj.weight.T)
+    u = _rms((h @ f.value_proj.weight.T) * gate, eps) * f.out_norm.weight
+    return e + u if model.config.fusion == "residual" else u
+
+
+def reference_decode(model, prompt, mode, new_tokens):
+    """Greedy decoding by recomputing the whole sequence from its input vectors at every step (no KV cache):
+    the prompt plain (soft), through one Jacobi pass (fused) or through the recurrence (exact); every generated
+    token fused with the final hidden state of the position before it. Returns (tokens, last-step logits)."""
+    backbone, embed = model.backbone, model.get_input_embeddings()
+
+    def run(inputs):
+        out = backbone(inputs_embeds=inputs.unsqueeze(0), output_hidden_states=True)
+        return out.logits[0], out.hidden_states[-1][0]
+
+    e = embed(prompt)
+    fusable = [t > 0 and int(prompt[t]) != BOS for t in range(len(prompt))]
+    if mode == "soft":
+        inputs = e
+    elif mode == "fused":
+        _, h = run(e)
+        inputs = torch.stack([reference_fuse(model, h[t - 1], e[t]) if fusable[t] else e[t] for t in range(len(prompt))])
+    else:  # exact: one position at a time
+        rows = [e[0]]
+        for t in range(1, len(prompt)):
+            _, h = run(torch.stack(rows))
+            rows.append(reference_fuse(model, h[-1], e[t]) if fusable[t] else e[t])
+        inputs = torch.stack(rows)
+    tokens, logits = [], None
+    for _ in range(new_tokens):
+        logits, h = run(inputs)
+        nxt = logits[-1].argmax()
+        tokens.append(int(nxt))
+        ne = embed(nxt.view(1))[0]
+        inputs = torch.cat([inputs, reference_fuse(model, h[-1], ne).unsqueeze(0)])
+    return tokens, logits[-1]
+
+
+@pytest.mark.parametrize("fusion", ["glu", "residual"])
+@pytest.mark.parametrize("mode", ["soft", "fused", "exact"])
+def test_decoding_matches_a_reference_written_from_raw_weights(fusion, mode):
+    model = tiny_model("llama", fusion=fusion)
+    if fusion == "residual":
+        with torch.no_grad():
+            model.feedback.out_norm.weight.fill_(0.7)  # a residual entry that is not the identity yet
+    prompt = random_ids(1, 7, seed=11)[0]
+    with torch.no_grad():
+        want, want_logits = reference_decode(model, prompt, mode, 6)
+        out = model.generate(prompt.unsqueeze(0), feedback_mode=mode, max_new_tokens=6, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        lean = fullband.generation.generate(model, prompt.unsqueeze(0), mode=mode, max_new_tokens=6,
+                                            ignore_eos=True)
+    assert out.sequences[0, 7:].tolist() == want
+    assert lean.new_tokens[0].tolist() == want
+    torch.testing.assert_close(out.logits[-1][0], want_logits, atol=2e-5, rtol=1e-4)
+
+
+def test_the_reference_can_tell_the_modes_apart():
+    """The reference itself is not blind: with a strong fusion the three prompt treatments give other logits."""
+    model = tiny_model("llama", fusion="glu")
+    prompt = random_ids(1, 7, seed=11)[0]
+    with torch.no_grad():
+        logits = [reference_decode(model, prompt, m, 1)[1] for m in ("soft", "fused", "exact")]
+    assert (logits[0] - logits[1]).abs().max() > 1e-4 and (logits[0] - logits[2]).abs().max() > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------- switch-on
+
+
+def test_switch_on_rescales_the_fusion_to_the_embeddings_of_that_step(data, tmp_path):
+    out = tmp_path / "run"
+    common = ("--feedback-start", "0.5", "--lr", "0.02", "--save-every", "3")
+    assert cli.main(train_args(data, out, *common, "--stop-after", "3")) == 0
+    ckpt = load_file(str(out / "checkpoints" / "step-0000003" / "model.safetensors"))
+    at_switch_on = float(ckpt["backbone.model.embed_tokens.weight"].pow(2).mean().sqrt())
+    assert cli.main(train_args(data, out, *common, "--resume")) == 0
+    model = fullband.modeling.load_model(str(out))
+    initial = fullband.modeling.embedding_rms(fullband.FullBandwidthForCausalLM.from_backbone(
+        model.backbone.__class__(model.config.text_config)).get_input_embeddings())
+    assert model.config.embed_rms == pytest.approx(at_switch_on, rel=1e-6)
+    assert abs(at_switch_on - initial) / initial > 0.05  # the embeddings did move before the switch-on
+    # and the fused input entered at the embeddings' scale then: RMS(u) = RMS(e) for the GLU right after reset
+    fresh = tiny_model("llama")
+    fresh.reset_feedback()
+    e = fresh.get_input_embeddings().weight[:20]
+    u = fresh.feedback(torch.randn(20, fresh.config.text_config.hidden_size), e)
+    assert float(u.detach().pow(2).mean().sqrt()) == pytest.approx(fresh.config.embed_rms, rel=1e-3)
+
+
+def test_fusion_lr_mult_survives_resume(data, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--save-every", "3", "--stop-after", "3")) == 0
+    assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--resume", "--fusion-lr-mult", "10")) == 0
+    fb = [r for r in train_records(out) if r["num_passes"] > 1]
+    assert len(fb) == 3
+    for r in fb:
+        assert r["fusion_lr"] == pytest.approx(10 * r["lr"])
+
+
+def test_lambda_ramp_and_fusion_warmup_follow_the_feedback_phase(data, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--feedback-ramp", "0.6",
+                               "--fusion-warmup", "1", "--deep-fraction", "0", steps=10)) == 0
+    recs = train_records(out)
+    assert [r["feedback_weight"] for r in recs[:5]] == [None] * 5
+    assert [r["feedback_weight"] for r in recs[5:]] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
+    assert [r["fusion_lr"] / r["lr"] for r in recs[5:]] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    # the logged loss is L_1 + ramped lambda * L_2
+    for r in recs[5:]:
+        assert r["loss"] == pytest.approx(r["pass_losses"][0] + r["feedback_weight"] * r["pass_losses"][1], rel=1e-5)
+
+
+def test_fusion_only_phase_leaves_the_backbone_untouched(data, tmp_path):
+    assert cli.main(train_args(data, tmp_path / "plain", "--num-passes", "1", steps=2)) == 0
+    out = tmp_path / "fo"
+    assert cli.main(train_args(data, out, "--init-from", str(tmp_path / "plain"), "--feedback-start", "0",
+                               "--fusion-only", "1", "--fusion", "residual", steps=3)) == 0
+    before = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    after = load_file(str(out / "model.safetensors"))
+    for k, v in before.items():
+        assert torch.equal(after["backbone." + k], v), k
+    assert after["feedback.out_norm.weight"].abs().max() > 0  # the residual entry's gain left 0: the fusion trained
+    assert all(r.get("backbone_frozen") for r in train_records(out))
+
+
+def test_clip_gradients_clips_each_group_to_its_own_norm():
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))
+    a.grad, b.grad = torch.full((4,), 3.0), torch.full((3,), 0.1)  # norms 6.0 and ~0.173
+    na, nb = clip_gradients([a], 1.0), clip_gradients([b], 1.0)
+    assert na == pytest.approx(6.0) and nb == pytest.approx(0.1 * 3 ** 0.5, rel=1e-5)
+    assert float(a.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    assert torch.allclose(b.grad, torch.full((3,), 0.1))  # under the limit: untouched
+    assert clip_gradients([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0  # no gradients at all
+
+
+def test_per_group_clipping_logs_the_fusion_norm(data, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--clip-per-group")) == 0
+    recs = train_records(out)
+    assert all("fusion_grad_norm" not in r for r in recs[:3])
+    assert all(r["fusion_grad_norm"] > 0 for r in recs[3:])
+
+
+# ----------------------------------------------------------------------------------------------- plain baselines
+
+
+def test_a_plain_run_is_saved_as_its_plain_backbone(data, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "base"
+    assert cli.main(train_args(data, out, "--num-passes", "1", steps=2)) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not isinstance(model, fullband.FullBandwidthForCausalLM)
+    capsys.readouterr()
+    assert cli.main(["info", "--model", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["fusion"] is None
+    assert cli.main(["generate", "--model", str(out), "--prompt", "the", "--max-new-tokens", "3",
+                     "--mode", "exact"]) == 2  # a plain model has no feedback mode
+    # retrofitting it works as for any HF checkpoint
+    assert cli.main(train_args(data, tmp_path / "fbt", "--init-from", str(out), "--feedback-start", "0",
+                               steps=2)) == 0
+
+
+def test_data_offset_continues_the_data_order(data, tmp_path):
+    from fullband.data import batch_rows
+
+    assert torch.equal(batch_rows(0 + 5, 4, 100, 0), batch_rows(5, 4, 100, 0))
+    assert cli.main(train_args(data, tmp_path / "bad", "--data-offset", "-1")) == 2
+
+
+# ----------------------------------------------------------------------------------------------- the experiment
+
+
+def test_recipe_experiment_quick(tmp_path, capsys):
+    out = tmp_path / "recipe"
+    rc = cli.main(["experiment", "recipe", "--quick", "--out", str(out), "--no-progress", "--json",
+                   "--arms", "shipped,residual-warm", "--trunk-steps", "3", "--branch-steps", "2",
+                   "--eval-rows", "2"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["arms"]) == {"baseline", "baseline-decayed", "shipped", "residual-warm", "baseline-flops"}
+    rows = {(r["arm"], r["mode"]): r for r in res["table"]}
+    assert {m for a, m in rows if a == "residual-warm"} == {"standard", "K=2", "K=3", "exact", "soft", "fused"}
+    # every figure is the mean of the per-row losses of its seeds; the delta is paired against the right baseline
+    for (arm, mode), r in rows.items():
+        per_seed = [s["runs"][arm]["losses"][mode] for s in res["per_seed"]]
+        assert r["loss"] == pytest.approx(sum(sum(x) / len(x) for x in per_seed) / len(per_seed))
+    r = rows[("shipped", "exact")]
+    own = [s["runs"]["shipped"]["losses"]["exact"] for s in res["per_seed"]]
+    ref = [s["runs"]["baseline-decayed"]["losses"]["standard"] for s in res["per_seed"]]
+    want = sum(sum(a - b for a, b in zip(o, f)) / len(o) for o, f in zip(own, ref)) / len(own)
+    assert r["delta_tokens"]["estimate"] == pytest.approx(want)
+    assert "delta_flops" not in r  # a different LR schedule than the FLOP-matched baselines: not compared
+    assert rows[("residual-warm", "soft")]["delta_flops"]["low"] <= rows[("residual-warm", "soft")]["delta_flops"]["high"]
+    # the FLOP-matched baseline has at least the FLOPs of the costliest arm
+    for s in res["per_seed"]:
+        assert s["runs"]["baseline-flops"]["flops"] >= max(s["runs"][a]["flops"] for a in ("shipped", "residual-warm"))
+    assert (out / "report.md").is_file() and (out / "recipe.png").stat().st_size > 1000
+    assert cli.main(["experiment", "recipe", "--quick", "--out", str(out), "--arms", "nope"]) == 2
