@@ -70,7 +70,7 @@ TEXTS = [
 
 def save_model_dir(root, fusion: str = "glu", plain: bool = False, seed: int = 0) -> str:
     """A tiny Llama (fullband-wrapped unless ``plain``) and a BPE tokenizer of matching vocabulary, saved."""
-    from fullband.data import train_tokenizer
+    from fullband.data.corpus import train_tokenizer
 
     tok = train_tokenizer(TEXTS * 4, vocab_size=300)
     cfg = tiny_backbone_config("llama", vocab_size=len(tok))

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from conftest import BOS, random_ids, tiny_backbone, tiny_model
 
 import fullband
-from fullband import analysis as A
-from fullband.evaluate import evaluate_loss
-from fullband.feedback import build_feedback_mask, shift_right
+from fullband.analysis import analysis as A
+from fullband.eval.scoring import evaluate_loss
+from fullband.model.feedback import build_feedback_mask, shift_right
 
 SMALL_VOCAB = 24  # token ids 3..23 are "text"; with hidden 32 > 24 the embedding rows are linearly independent
 
@@ -284,7 +284,7 @@ def test_gate_statistics_non_glu_fusion():
 
 
 def _saved_pair(tmp_path):
-    from fullband.data import train_tokenizer
+    from fullband.data.corpus import train_tokenizer
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_backbone_config
@@ -335,7 +335,7 @@ def test_cli_writes_the_report(tmp_path, capsys):
 
 
 def test_report_files_are_atomic_and_readable(tmp_path):
-    from fullband.io import atomic_write_bytes
+    from fullband.utils.io import atomic_write_bytes
 
     path = tmp_path / "sub" / "x.json"
     atomic_write_bytes(str(path), b"one")

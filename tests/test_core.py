@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import fullband
 from fullband import FeedbackSchedule, FullBandwidthConfig, FullBandwidthForCausalLM
-from fullband.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+from fullband.model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 
 ATOL = 1e-5
 

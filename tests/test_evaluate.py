@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 import fullband
 from fullband.cli import main as cli_main
-from fullband.data import embedded_corpus, load_documents, split_documents, train_tokenizer
-from fullband.evaluate import (evaluate_loss, evaluate_model, evaluation_rows, load_any_model, report_markdown,
+from fullband.data.corpus import embedded_corpus, load_documents, split_documents, train_tokenizer
+from fullband.eval.scoring import (evaluate_loss, evaluate_model, evaluation_rows, load_any_model, report_markdown,
                                split_settings)
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch
 from conftest import BOS, EOS, PAD, VOCAB, random_ids, tiny_backbone, tiny_model
 
 from fullband import cli
-from fullband.feedback import build_feedback_mask, fuse_where, shift_right
-from fullband.generation import (FEEDBACK_MODES, FeedbackCache, FeedbackStaticCache, cache_bytes, clear_gate_table,
+from fullband.model.feedback import build_feedback_mask, fuse_where, shift_right
+from fullband.model.generation import (FEEDBACK_MODES, FeedbackCache, FeedbackStaticCache, cache_bytes, clear_gate_table,
                                  gate_table, generate, score)
 
 ATOL = 1e-5

@@ -18,8 +18,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from conftest import TEXTS  # noqa: E402
 
-from fullband import lm_eval_adapter as A  # noqa: E402
-from fullband.evaluate import evaluate_loss  # noqa: E402
+from fullband.eval import lm_eval_adapter as A  # noqa: E402
+from fullband.eval.scoring import evaluate_loss  # noqa: E402
 
 TEXT = TEXTS[0] + TEXTS[1]
 
@@ -67,7 +67,7 @@ def test_loglikelihood_chain_rule_and_modes(model_dir):
     assert head + tail == pytest.approx(whole, rel=1e-5)  # the recurrence treats context and continuation alike
     # soft prefills the context plainly, so it scores the continuation differently -- as generate() would
     (soft_tail, _), = soft.loglikelihood([req("loglikelihood", ctx, cont)], disable_tqdm=True)
-    from fullband.generation import score
+    from fullband.model.generation import score
 
     tok = soft.tokenizer
     c_ids = tok(ctx)["input_ids"]
@@ -89,7 +89,7 @@ def test_batched_scoring_matches_one_by_one(model_dir):
 
 @pytest.mark.parametrize("mode", ["soft", "exact", "standard"])
 def test_greedy_flag(model_dir, mode):
-    from fullband.generation import generate
+    from fullband.model.generation import generate
 
     model = lm(model_dir, mode)
     ctx = model.tokenizer(TEXTS[0])["input_ids"]
@@ -147,7 +147,7 @@ def test_task_data_is_reproducible(tmp_path):
     shipped = os.path.join(A.tasks_dir(), "data")
     for name in counts:
         with open(os.path.join(shipped, f"{name}.jsonl")) as f, open(tmp_path / f"{name}.jsonl") as g:
-            assert f.read() == g.read(), f"{name}.jsonl is stale: run python -m fullband.lm_eval_adapter build-tasks"
+            assert f.read() == g.read(), f"{name}.jsonl is stale: run python -m fullband.eval.lm_eval_adapter build-tasks"
     mc = [json.loads(line) for line in open(tmp_path / "shakespeare_mc.test.jsonl")]
     for item in mc:
         assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4 and 0 <= item["label"] < 4

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fullband import reasoning as R
+from fullband.eval import reasoning as R
 from fullband.cli import main as cli_main
-from fullband.stats import bootstrap_ci, compare_paired, discordant_counts, mcnemar_exact
+from fullband.utils.stats import bootstrap_ci, compare_paired, discordant_counts, mcnemar_exact
 
 
 # ----------------------------------------------------------------------------- problems
@@ -138,7 +138,7 @@ def test_trace_length_counts_tokens_before_the_marker():
 
 
 def test_trace_length_with_a_bpe_tokenizer():
-    from fullband.data import train_tokenizer
+    from fullband.data.corpus import train_tokenizer
 
     tok = train_tokenizer(["4*2=8; 3+8=11. #### 11"] * 20, vocab_size=300)
     steps = tok.encode(" 4*2=8; 3+8=11.", add_special_tokens=False)
@@ -198,7 +198,7 @@ def test_compare_paired():
 
 
 def test_evaluate_reasoning_grades_and_counts(model_dir, monkeypatch):
-    from fullband.evaluate import load_any_model
+    from fullband.eval.scoring import load_any_model
 
     model, tok = load_any_model(model_dir, device="cpu")
     problems = R.arithmetic_problems(4, seed=0)
@@ -227,7 +227,7 @@ def test_evaluate_reasoning_grades_and_counts(model_dir, monkeypatch):
 
 
 def test_real_decoding_in_every_mode(model_dir, plain_dir):
-    from fullband.evaluate import load_any_model
+    from fullband.eval.scoring import load_any_model
 
     model, tok = load_any_model(model_dir, device="cpu")
     problems = R.arithmetic_problems(3, seed=0)

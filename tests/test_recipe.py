@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 import fullband
 from fullband import cli
-from fullband.io import read_jsonl
-from fullband.train import clip_gradients
+from fullband.utils.io import read_jsonl
+from fullband.training.train import clip_gradients
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 
@@ -115,7 +115,7 @@ def test_decoding_matches_a_reference_written_from_raw_weights(fusion, mode):
         want, want_logits = reference_decode(model, prompt, mode, 6)
         out = model.generate(prompt.unsqueeze(0), feedback_mode=mode, max_new_tokens=6, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        lean = fullband.generation.generate(model, prompt.unsqueeze(0), mode=mode, max_new_tokens=6,
+        lean = fullband.model.generation.generate(model, prompt.unsqueeze(0), mode=mode, max_new_tokens=6,
                                             ignore_eos=True)
     assert out.sequences[0, 7:].tolist() == want
     assert lean.new_tokens[0].tolist() == want
@@ -141,8 +141,8 @@ def test_switch_on_rescales_the_fusion_to_the_embeddings_of_that_step(data, tmp_
     ckpt = load_file(str(out / "checkpoints" / "step-0000003" / "model.safetensors"))
     at_switch_on = float(ckpt["backbone.model.embed_tokens.weight"].pow(2).mean().sqrt())
     assert cli.main(train_args(data, out, *common, "--resume")) == 0
-    model = fullband.modeling.load_model(str(out))
-    initial = fullband.modeling.embedding_rms(fullband.FullBandwidthForCausalLM.from_backbone(
+    model = fullband.model.modeling.load_model(str(out))
+    initial = fullband.model.modeling.embedding_rms(fullband.FullBandwidthForCausalLM.from_backbone(
         model.backbone.__class__(model.config.text_config)).get_input_embeddings())
     assert model.config.embed_rms == pytest.approx(at_switch_on, rel=1e-6)
     assert abs(at_switch_on - initial) / initial > 0.05  # the embeddings did move before the switch-on
@@ -231,7 +231,7 @@ def test_a_plain_run_is_saved_as_its_plain_backbone(data, tmp_path, capsys):
 
 
 def test_data_offset_continues_the_data_order(data, tmp_path):
-    from fullband.data import batch_rows
+    from fullband.data.corpus import batch_rows
 
     assert torch.equal(batch_rows(0 + 5, 4, 100, 0), batch_rows(5, 4, 100, 0))
     assert cli.main(train_args(data, tmp_path / "bad", "--data-offset", "-1")) == 2

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 
 import fullband
 from fullband import cli
-from fullband.data import train_tokenizer
-from fullband.io import read_jsonl
-from fullband.modeling import FullBandwidthForCausalLM
-from fullband.presets import backbone_config
-from fullband.sft import (CHAT_TEMPLATE, SFTConfig, collate, encode_conversation, encode_conversations,
+from fullband.data.corpus import train_tokenizer
+from fullband.utils.io import read_jsonl
+from fullband.model.modeling import FullBandwidthForCausalLM
+from fullband.training.presets import backbone_config
+from fullband.training.sft import (CHAT_TEMPLATE, SFTConfig, collate, encode_conversation, encode_conversations,
                           load_conversations, read_chat_jsonl, set_chat_template, sft, sft_feedback_mask,
                           split_conversations, synthetic_conversations)
 

@@ -19,8 +19,8 @@ import torch
 
 import fullband
 from fullband import cli
-from fullband.io import read_jsonl
-from fullband.train import TrainConfig, find_checkpoint, lr_at, make_config, read_config_file, train
+from fullband.utils.io import read_jsonl
+from fullband.training.train import TrainConfig, find_checkpoint, lr_at, make_config, read_config_file, train
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 
@@ -127,7 +127,7 @@ def test_baseline_matches_fbt_until_feedback_and_branching_is_exact(data, tmp_pa
     a, b = losses(tmp_path / "fbt"), losses(tmp_path / "base")
     assert a[:3] == b[:3] and a[3:] != b[3:]
     # branch: baseline to the feedback start, then the FBT settings from its checkpoint
-    from fullband.quickstart import _copy_branch
+    from fullband.commands.quickstart import _copy_branch
 
     first = train(cfg(data, tmp_path / "b2", **dict(fb, num_passes=1, deep_passes=1), stop_after=3))
     assert first["status"] == "paused"
@@ -146,8 +146,8 @@ def test_grad_accumulation_matches_full_batch(data, tmp_path):
 def test_retrofit_init_from(data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fullband.data import load_documents, train_tokenizer
-    from fullband.presets import backbone_config
+    from fullband.data.corpus import load_documents, train_tokenizer
+    from fullband.training.presets import backbone_config
 
     tok = train_tokenizer((d.text for d in load_documents(data)), 300)
     torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_retrofit_init_from(data, tmp_path):
     before = {k: v.clone() for k, v in backbone.state_dict().items()}
     rc = cli.main(args(data, tmp_path / "out", "--init-from", str(tmp_path / "pre"), "--feedback-start", "0", steps=2))
     assert rc == 0
-    model = fullband.modeling.load_model(str(tmp_path / "out"))
+    model = fullband.model.modeling.load_model(str(tmp_path / "out"))
     after = model.backbone.state_dict()
     assert model.config.text_config.model_type == "llama"
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -200,7 +200,7 @@ def test_nan_batch_is_skipped(data, tmp_path):
     rows = train_rows(tmp_path / "nan")
     assert rows[2]["skipped"] == "non-finite loss" and rows[2]["loss"] is None
     assert all("skipped" not in r for i, r in enumerate(rows) if i != 2)
-    model = fullband.modeling.load_model(str(tmp_path / "nan"))
+    model = fullband.model.modeling.load_model(str(tmp_path / "nan"))
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -234,8 +234,8 @@ def test_two_process_ddp_matches_single_process(data, tmp_path):
     for (_, la, pa, _), (_, lb, pb, _) in zip(a, b):
         assert la == pytest.approx(lb, abs=1e-5)
         assert pa == pytest.approx(pb, abs=1e-5)
-    ma = fullband.modeling.load_model(str(single)).state_dict()
-    mb = fullband.modeling.load_model(str(ddp)).state_dict()
+    ma = fullband.model.modeling.load_model(str(single)).state_dict()
+    mb = fullband.model.modeling.load_model(str(ddp)).state_dict()
     assert max((ma[k] - mb[k]).abs().max().item() for k in ma) < 1e-4
 
 
@@ -296,7 +296,7 @@ def test_bad_values_and_missing_files_leave_checkpoints_untouched(data, finished
 def test_benchmark_train_reports_three_cases():
     from types import SimpleNamespace
 
-    from fullband.train import benchmark_train, format_benchmark
+    from fullband.training.train import benchmark_train, format_benchmark
 
     res = benchmark_train(SimpleNamespace(preset="micro", batch_size=2, seq_len=16, vocab_size=300, steps=3,
                                           warmup=0, device="cpu", precision="fp32"))
@@ -329,12 +329,12 @@ def test_quickstart_smoke(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     assert res["fbt_minus_baseline"]["exact"]["estimate"] == pytest.approx(res["fbt_val_loss"] - res["baseline_val_loss"])
-    # the table's figures are fullband.evaluate's, on the same rows
-    from fullband.data import load_tokenizer
-    from fullband.evaluate import evaluate_loss, evaluation_rows
-    from fullband.train import spread_rows
+    # the table's figures are fullband.eval.scoring's, on the same rows
+    from fullband.data.corpus import load_tokenizer
+    from fullband.eval.scoring import evaluate_loss, evaluation_rows
+    from fullband.training.train import spread_rows
 
-    fbt_model = fullband.modeling.load_model(str(out / "fbt"))
+    fbt_model = fullband.model.modeling.load_model(str(out / "fbt"))
     val_rows, _ = evaluation_rows(load_tokenizer(str(out / "fbt")), None, "val", seq_len=32)
     rows = spread_rows(val_rows, 2)
     for mode in ("standard", "passes", "exact"):
@@ -356,7 +356,7 @@ def test_quickstart_smoke(tmp_path, capsys):
 
 
 def test_atomic_writes_and_torn_jsonl(tmp_path):
-    from fullband.io import append_jsonl, atomic_directory, atomic_write_json
+    from fullband.utils.io import append_jsonl, atomic_directory, atomic_write_json
 
     atomic_write_json(str(tmp_path / "a.json"), {"x": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}

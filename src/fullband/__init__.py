@@ -6,10 +6,10 @@ Importing the package registers ``FullBandwidthConfig`` / ``FullBandwidthForCaus
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .configuration import FullBandwidthConfig
-from .feedback import build_feedback_mask, document_starts, prefix_mixing_mask
-from .modeling import FullBandwidthForCausalLM, FullBandwidthOutput
-from .objective import FeedbackSchedule, combine_pass_losses
+from .model.configuration import FullBandwidthConfig
+from .model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+from .model.modeling import FullBandwidthForCausalLM, FullBandwidthOutput
+from .model.objective import FeedbackSchedule, combine_pass_losses
 
 __version__ = "0.1.0"
 

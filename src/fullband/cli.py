@@ -13,16 +13,17 @@ import sys
 
 # sub-command modules, in the order `fullband --help` lists them
 COMMAND_MODULES = [
-    "fullband.info",
-    "fullband.train",
-    "fullband.quickstart",
-    "fullband.sft",
-    "fullband.generation",
-    "fullband.bench",
-    "fullband.evaluate",
-    "fullband.reasoning",
-    "fullband.analysis",
-    "fullband.experiments",
+    "fullband.commands.info",
+    "fullband.training.train",
+    "fullband.commands.quickstart",
+    "fullband.training.sft",
+    "fullband.model.generation",
+    "fullband.commands.bench",
+    "fullband.eval.scoring",
+    "fullband.eval.reasoning",
+    "fullband.analysis.analysis",
+    "fullband.commands.experiments",
+    "fullband.serving.commands",
 ]
 
 

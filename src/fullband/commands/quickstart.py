@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
+from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240, batch_size=16, seq_len=256,
                 vocab_size=4096, seed=0, feedback_start=0.75, num_passes=2, eval_rows=128, samples=3,
@@ -44,7 +44,7 @@ DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240
 
 
 def _configs(args):
-    from .train import TrainConfig
+    from ..training.train import TrainConfig
 
     common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
@@ -57,7 +57,7 @@ def _configs(args):
 
 def _copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
     """Seed the FBT run with the baseline's checkpoint at the feedback start (and its log up to there)."""
-    from .train import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, _clear_outputs
+    from ..training.train import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, _clear_outputs
 
     if os.path.isdir(fbt_dir):
         _clear_outputs(fbt_dir)
@@ -74,7 +74,7 @@ def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tok
              seed: int) -> tuple[list[dict], str]:
     """Sampled continuations of held-out prompts per (model, decode mode)."""
     try:
-        from .generation import generate as lean_generate
+        from ..model.generation import generate as lean_generate
         how = "fullband.generation.generate (temperature 0.8, top-k 40)"
     except ImportError:  # pragma: no cover - the generation module is part of the package
         lean_generate = None
@@ -134,10 +134,10 @@ def _table(rows: list[dict]) -> str:
 def run_quickstart(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from .evaluate import load_any_model, row_losses
-    from .stats import bootstrap_ci
-    from .plotting import plot_loss_curves
-    from .train import build_tokenizer_and_corpus, spread_rows, train
+    from ..eval.scoring import load_any_model, row_losses
+    from ..utils.stats import bootstrap_ci
+    from ..utils.plotting import plot_loss_curves
+    from ..training.train import build_tokenizer_and_corpus, spread_rows, train
 
     hf_logging.disable_progress_bar()
     t_all = time.perf_counter()
@@ -211,7 +211,7 @@ def run_quickstart(args) -> dict:
     # ---- samples
     t = time.perf_counter()
     try:
-        from .generation import MODES as decode_modes
+        from ..model.generation import MODES as decode_modes
     except ImportError:  # pragma: no cover
         decode_modes = ("standard",)
     samples, how = _samples({"baseline": (baseline, ["standard"]), "FBT": (fbt, list(decode_modes))},
@@ -358,7 +358,7 @@ def add_parser(sub) -> None:
 
 
 def _run_cli(args) -> int:
-    from .train import tune_cpu_allocator
+    from ..training.train import tune_cpu_allocator
 
     tune_cpu_allocator()
     run_quickstart(args)

@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from .generation import MODES, cache_bytes, generate, interleaved_decode_times
+from ..model.generation import MODES, cache_bytes, generate, interleaved_decode_times
 
 SIZES = {"tiny": (256, 4), "small": (768, 12)}  # name -> (d_model, layers); "small" is GPT-2 small's shape
 DECODE_DESCRIPTION = (
@@ -53,7 +53,7 @@ def build_bench_model(family: str, d: int, layers: int, vocab: int | None, seed:
     number of tokens."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    from .modeling import FullBandwidthForCausalLM
+    from ..model.modeling import FullBandwidthForCausalLM
 
     heads = max(1, d // 64)
     common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
@@ -310,7 +310,7 @@ def _csv(kind):
 
 
 def _run_decode(args) -> int:
-    from .cli import UsageError
+    from ..cli import UsageError
 
     if args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1 or min(args.batch_sizes) < 1:
         raise UsageError("--new-tokens, --prompt-len, --repeats and --batch-sizes must be >= 1")
@@ -363,7 +363,7 @@ def _add_train(sub) -> None:
     state (:func:`fullband.train.benchmark_train`). Goal (a benchmark, not a timed test): K=2 / K=1 <= 2.1."""
 
     def _run(args) -> int:
-        from .train import benchmark_train, format_benchmark
+        from ..training.train import benchmark_train, format_benchmark
 
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -395,6 +395,9 @@ def add_parser(sub) -> None:
     add_train = globals().get("_add_train")
     if add_train is not None:
         add_train(bench_sub)
+    from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` (vLLM), implemented there
+
+    _add_serve(bench_sub)
 
     def _help(args) -> int:
         p.print_help()

@@ -26,7 +26,7 @@ SCORING_MODES = ("standard", "passes", "exact", "soft", "fused")  # the decode m
 
 
 def _is_fullband(model) -> bool:
-    from .modeling import FullBandwidthForCausalLM
+    from ..model.modeling import FullBandwidthForCausalLM
 
     return isinstance(model, FullBandwidthForCausalLM)
 
@@ -52,7 +52,7 @@ def token_nll(model, ids: torch.Tensor, mode: str = "standard", num_passes: int 
     if start >= ids.shape[1]:
         raise ValueError(f"prompt_length {prompt_length} leaves nothing to score in rows of {ids.shape[1]} tokens")
     if mode in ("soft", "fused"):
-        from .generation import score
+        from ..model.generation import score
 
         if prompt_length < 1:
             raise ValueError(f"mode {mode!r} scores a continuation: give prompt_length >= 1")
@@ -121,8 +121,8 @@ def load_any_model(path: str, device: str | None = None, dtype: str | None = Non
 
     ``dtype`` is ``None`` (as saved), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     """
-    from .data import load_tokenizer
-    from .modeling import load_model
+    from ..data.corpus import load_tokenizer
+    from ..model.modeling import load_model
 
     kwargs = {}
     if dtype is not None:
@@ -147,7 +147,7 @@ def evaluation_rows(tokenizer, data: str | None = None, split: str = "val", seq_
     the documents: ``"val"`` (the validation documents, split exactly as ``fullband train`` splits them with the
     same ``seed`` and ``val_fraction``), ``"train"``, or ``"all"`` (every document, e.g. a separate held-out file).
     """
-    from .data import load_documents, pack, split_documents, tokenize_documents
+    from ..data.corpus import load_documents, pack, split_documents, tokenize_documents
 
     if split not in ("val", "train", "all"):
         raise ValueError(f"unknown split {split!r}: choose val, train or all")
@@ -257,7 +257,7 @@ def write_report(report: dict, markdown: str, out: str, stem: str) -> tuple[str,
     """Write the JSON and the markdown report (each atomically); returns both paths."""
     import json
 
-    from .io import atomic_write_text
+    from ..utils.io import atomic_write_text
 
     json_path, md_path = report_paths(out, stem)
     atomic_write_text(json_path, json.dumps(report, indent=2) + "\n")

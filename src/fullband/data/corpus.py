@@ -47,7 +47,7 @@ def embedded_corpus() -> list[Document]:
 
 
 def _read_jsonl(path: str) -> list[Document]:
-    from .io import iter_jsonl_objects
+    from ..utils.io import iter_jsonl_objects
 
     docs = []
     expected = "an object with a string 'text' field"

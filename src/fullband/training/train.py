@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed as D
-from .io import append_jsonl, atomic_save_pretrained, atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
+from ..training import distributed as D
+from ..utils.io import append_jsonl, atomic_save_pretrained, atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -143,7 +143,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def schedule(self):
-        from .objective import FeedbackSchedule
+        from ..model.objective import FeedbackSchedule
 
         # --num-passes 1 is a plain baseline: no deep steps either
         return FeedbackSchedule(start_fraction=self.feedback_start, num_passes=self.num_passes,
@@ -151,7 +151,7 @@ class TrainConfig:
                                 deep_fraction=self.deep_fraction if self.num_passes > 1 else 0.0)
 
     def switch_on(self):
-        from .objective import SwitchOn
+        from ..model.objective import SwitchOn
 
         return SwitchOn(feedback_ramp=self.feedback_ramp, fusion_warmup=self.fusion_warmup, fusion_only=self.fusion_only)
 
@@ -165,14 +165,14 @@ class TrainConfig:
             return self.lr
         if self.init_from:
             return 3e-4
-        from .presets import get_preset
+        from ..training.presets import get_preset
 
         return get_preset(self.preset).lr
 
     def validate(self, world_size: int = 1) -> "TrainConfig":
         """Raise ``ValueError`` for any bad value (before anything is written)."""
-        from .feedback import check_fusion_name
-        from .presets import get_preset
+        from ..model.feedback import check_fusion_name
+        from ..training.presets import get_preset
 
         def need(cond, msg):
             if not cond:
@@ -345,7 +345,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_tokenizer_and_corpus(cfg: TrainConfig, tokenizer=None):
-    from .data import build_corpus, load_tokenizer
+    from ..data.corpus import build_corpus, load_tokenizer
 
     if tokenizer is None:
         path = cfg.tokenizer
@@ -363,10 +363,10 @@ def build_model(cfg: TrainConfig, tokenizer):
     """The model to train (fp32 weights), seeded by ``cfg.seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .configuration import FullBandwidthConfig
-    from .data import special_ids
-    from .modeling import FullBandwidthForCausalLM, load_model
-    from .presets import backbone_config
+    from ..model.configuration import FullBandwidthConfig
+    from ..data.corpus import special_ids
+    from ..model.modeling import FullBandwidthForCausalLM, load_model
+    from ..training.presets import backbone_config
 
     bos, eos = special_ids(tokenizer)
     pad = tokenizer.pad_token_id
@@ -444,7 +444,7 @@ def autocast_context(precision: str, device: torch.device):
 def feedback_mask_for(batch: torch.Tensor, doc_start_id: int | None, prefix_mix: float,
                       generator: torch.Generator) -> torch.Tensor:
     """Feedback mask of a global batch with prefix mixing (draws from ``generator``)."""
-    from .feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+    from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 
     mask = build_feedback_mask(batch, None, doc_start_id)
     if prefix_mix > 0:
@@ -786,7 +786,7 @@ def spread_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _evaluate(run: Run, val_rows: torch.Tensor, step: int, start_step_fb: int) -> dict | None:
-    from .evaluate import evaluate_loss
+    from ..eval.scoring import evaluate_loss
 
     if val_rows.shape[0] == 0:
         return None
@@ -818,7 +818,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, corpu
 def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corpus, name: str) -> dict:
     from safetensors.torch import load_file
 
-    from .data import load_tokenizer
+    from ..data.corpus import load_tokenizer
 
     cfg.validate(env.world_size)
     ckpt = _prepare_out(cfg, resume, overwrite, env)
@@ -918,7 +918,7 @@ def _train(cfg: TrainConfig, env: D.DistEnv, resume: bool, overwrite: bool, corp
     run.t_start = time.perf_counter()
     status, message, last_ckpt = "done", "", ckpt
     stop_at = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
-    from .data import batch_rows
+    from ..data.corpus import batch_rows
 
     try:
         for step in range(start, stop_at):
@@ -1045,7 +1045,7 @@ def _finish(run: Run, tokenizer) -> None:
         atomic_save_pretrained(tokenizer, cfg.out, mode="merge")
         if cfg.plot:
             try:
-                from .plotting import plot_loss_curves
+                from ..utils.plotting import plot_loss_curves
 
                 plot_loss_curves({os.path.basename(os.path.normpath(cfg.out)) or "run": os.path.join(cfg.out, METRICS)},
                                  os.path.join(cfg.out, "curves.png"))
@@ -1178,9 +1178,9 @@ def benchmark_train(args) -> dict:
     stop-gradient fed-back state, on random tokens (the full step: forward, backward, clip, AdamW)."""
     from transformers.utils import logging as hf_logging
 
-    from .feedback import build_feedback_mask
-    from .modeling import FullBandwidthForCausalLM
-    from .presets import backbone_config
+    from ..model.feedback import build_feedback_mask
+    from ..model.modeling import FullBandwidthForCausalLM
+    from ..training.presets import backbone_config
 
     hf_logging.disable_progress_bar()
     tuned = tune_cpu_allocator()  # as `fullband train` does

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed as D
-from .io import atomic_save_pretrained, atomic_write_json, read_jsonl, rewrite_jsonl
-from .train import TrainConfig, _f, _flag
+from ..training import distributed as D
+from ..utils.io import atomic_save_pretrained, atomic_write_json, read_jsonl, rewrite_jsonl
+from ..training.train import TrainConfig, _f, _flag
 
 ROLES = ("system", "user", "assistant")
 SYNTHETIC = ("arithmetic", "state", "permutation", "mixed")
@@ -115,7 +115,7 @@ def read_chat_jsonl(path: str) -> list[list[dict]]:
     """Conversations (lists of messages) from a chat jsonl file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"chat data file {path!r} does not exist")
-    from .io import iter_jsonl_objects
+    from ..utils.io import iter_jsonl_objects
 
     convs = [check_conversation(record, f"{path}:{n}") for n, record in
              iter_jsonl_objects(path, "an object with a 'messages' list")]
@@ -130,7 +130,7 @@ def synthetic_conversations(task: str, n: int, seed: int = 0, multi_turn: float 
     with the chain of thought and ``#### answer`` (:func:`fullband.reasoning.format_target`). A ``system``
     fraction start with a system prompt; a ``multi_turn`` fraction have a second question and answer.
     ``task`` ``mixed`` draws from arithmetic, state and permutation in turn."""
-    from .reasoning import format_target, make_problems
+    from ..eval.reasoning import format_target, make_problems
 
     if task not in SYNTHETIC:
         raise ValueError(f"unknown synthetic chat task {task!r}: choose one of {', '.join(SYNTHETIC)}")
@@ -323,7 +323,7 @@ def sft_feedback_mask(batch: dict, doc_start_id: int | None, prefix_mix: float,
                       generator: torch.Generator | None) -> torch.Tensor:
     """Feedback mask of a right-padded batch, with per-conversation prefix mixing (the padding is a segment of
     its own, so a plain prefix is drawn over the conversation's length)."""
-    from .feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+    from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 
     ids, attn = batch["input_ids"], batch["attention_mask"]
     mask = build_feedback_mask(ids, attn, doc_start_id)
@@ -345,7 +345,7 @@ def evaluate_sft_loss(model, enc: Encoded, mode: str = "standard", num_passes: i
     :func:`fullband.evaluate.evaluate_loss`)."""
     import torch.nn.functional as F
 
-    from .evaluate import MODES
+    from ..eval.scoring import MODES
 
     if mode not in MODES:
         raise ValueError(f"unknown evaluation mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -381,9 +381,9 @@ def generate_replies(model, tokenizer, convs: list[list[dict]], mode: str, max_n
                      batch_size: int = 8) -> list[dict]:
     """Greedy replies to the last user turn of each conversation (its final assistant message is the reference),
     graded with :func:`fullband.reasoning.grade` where the reference ends in ``#### answer``."""
-    from .generation import generate
-    from .modeling import max_positions
-    from .reasoning import ANSWER_MARKER, extract_answer, grade
+    from ..model.generation import generate
+    from ..model.modeling import max_positions
+    from ..eval.reasoning import ANSWER_MARKER, extract_answer, grade
 
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -479,7 +479,7 @@ class SFTConfig(TrainConfig):
         return self
 
     def resolved_gen_modes(self, model) -> list[str]:
-        from .generation import MODES
+        from ..model.generation import MODES
 
         if self.gen_modes != "auto":
             modes = [m.strip() for m in self.gen_modes.split(",") if m.strip()]
@@ -555,7 +555,7 @@ def resolve_init(path: str) -> tuple[str, str]:
     """``(kind, path)``: ``fullband`` (a saved fullband model), ``checkpoint`` (a ``fullband train`` checkpoint
     directory; a run directory without a final model resolves to its newest checkpoint) or ``hf`` (a plain causal
     LM, to retrofit)."""
-    from .train import find_checkpoint
+    from ..training.train import find_checkpoint
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init-from directory {path!r} does not exist")
@@ -579,9 +579,9 @@ def load_init(cfg: SFTConfig, tokenizer=None):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from .data import load_tokenizer, special_ids
-    from .modeling import FullBandwidthForCausalLM, load_model
-    from .train import build_model, load_checkpoint_state
+    from ..data.corpus import load_tokenizer, special_ids
+    from ..model.modeling import FullBandwidthForCausalLM, load_model
+    from ..training.train import build_model, load_checkpoint_state
 
     kind, path = resolve_init(cfg.init_from)
     feedback = dict(feedback_weight=float(cfg.feedback_weight), jitter=float(cfg.jitter),
@@ -683,8 +683,8 @@ def sft(cfg: SFTConfig, resume: bool = False, overwrite: bool = False, conversat
 def _sft(cfg: SFTConfig, env: D.DistEnv, resume: bool, overwrite: bool, conversations, name: str) -> dict:
     from safetensors.torch import load_file
 
-    from .data import batch_rows, load_tokenizer
-    from .train import (METRICS, RUN_CONFIG, TOKENIZER_DIR, Guard, Run, _clean, _clear_outputs, _Log, _prepare_out,
+    from ..data.corpus import batch_rows, load_tokenizer
+    from ..training.train import (METRICS, RUN_CONFIG, TOKENIZER_DIR, Guard, Run, _clean, _clear_outputs, _Log, _prepare_out,
                         _set_rng_state, autocast_context, build_optimizer, load_checkpoint_state, lr_at,
                         save_checkpoint)
 
@@ -875,15 +875,15 @@ def _sft(cfg: SFTConfig, env: D.DistEnv, resume: bool, overwrite: bool, conversa
 
 
 def build_feedback_mask_plain(batch: dict, doc_id: int | None) -> torch.Tensor:
-    from .feedback import build_feedback_mask
+    from ..model.feedback import build_feedback_mask
 
     return build_feedback_mask(batch["input_ids"], batch["attention_mask"], doc_id)
 
 
 def _finish_sft(run, tokenizer, val_convs, val_enc: Encoded, init_kind: str, summary: dict) -> None:
     """Save the model and tokenizer into OUT; evaluate held-out loss per mode and greedy replies."""
-    from .plotting import plot_loss_curves
-    from .train import METRICS
+    from ..utils.plotting import plot_loss_curves
+    from ..training.train import METRICS
 
     cfg, env = run.cfg, run.env
     if D.is_sharded(D.unwrap(run.model)):
@@ -957,7 +957,7 @@ def format_summary(summary: dict) -> str:
 
 
 def add_parser(sub) -> None:
-    from .train import add_config_arguments
+    from ..training.train import add_config_arguments
 
     p = sub.add_parser(
         "sft", help="instruction-tune a model on chat conversations (loss on assistant tokens, K-pass objective)",
@@ -976,7 +976,7 @@ def add_parser(sub) -> None:
 
 
 def run_cli(args) -> int:
-    from .train import find_checkpoint, load_checkpoint_state
+    from ..training.train import find_checkpoint, load_checkpoint_state
 
     names = set(_sft_fields()) - set(SKIP_FLAGS)
     explicit = {k: v for k, v in vars(args).items() if k in names}

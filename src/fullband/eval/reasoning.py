@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import StoppingCriteria
 
-from .stats import compare_paired
+from ..utils.stats import compare_paired
 
 ANSWER_MARKER = "####"
 TASKS = ("arithmetic", "state", "permutation", "gsm8k")
@@ -361,7 +361,7 @@ def trace_length(token_ids, decode, marker: str = ANSWER_MARKER, eos_token_id: i
 
 
 def _is_fullband(model) -> bool:
-    from .generation import has_feedback
+    from ..model.generation import has_feedback
 
     return has_feedback(model)
 
@@ -369,7 +369,7 @@ def _is_fullband(model) -> bool:
 def available_modes(model) -> tuple[str, ...]:
     """Decode modes this model supports: all of :data:`fullband.generation.MODES` for a fullband model,
     ``standard`` for a plain causal LM."""
-    from .generation import MODES
+    from ..model.generation import MODES
 
     return tuple(MODES) if _is_fullband(model) else ("standard",)
 
@@ -404,8 +404,8 @@ def generate_completions(model, tokenizer, prompts: list[str], mode: str = "stan
     Decodes with :func:`fullband.generation.generate` (left-padded batches of ``batch_size``; ``prefill_passes``
     for ``fused``). New tokens are capped so that prompt + completion fit the backbone's positions.
     """
-    from .generation import generate
-    from .modeling import max_positions
+    from ..model.generation import generate
+    from ..model.modeling import max_positions
 
     modes = available_modes(model)
     if mode not in modes:
@@ -614,7 +614,7 @@ def _progress_printer(message: str) -> None:
 
 
 def run(args) -> int:
-    from .evaluate import load_any_model, write_report
+    from ..eval.scoring import load_any_model, write_report
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     problems = make_problems(args.task, args.num, args.seed, args.data)

@@ -171,7 +171,7 @@ class FullBandLM(HFLM):
         that mode reproduces the continuation."""
         from tqdm.auto import tqdm
 
-        from .generation import generate, score
+        from ..model.generation import generate, score
 
         mode, prefill_passes = self.decode_mode
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -361,8 +361,8 @@ def build_task_data(out_dir: str | None = None, seed: int = 0) -> dict[str, int]
     * ``shakespeare_ppl``: test = passages of the validation plays (for ``loglikelihood_rolling``).
     Returns the number of records per file.
     """
-    from .data import embedded_corpus, split_documents
-    from .reasoning import arithmetic_problems, format_target
+    from ..data.corpus import embedded_corpus, split_documents
+    from ..eval.reasoning import arithmetic_problems, format_target
 
     out_dir = out_dir or _task_data_dir()
     os.makedirs(out_dir, exist_ok=True)
@@ -379,7 +379,7 @@ def build_task_data(out_dir: str | None = None, seed: int = 0) -> dict[str, int]
         "arithmetic.train": arith(20, seed + 1),
         "shakespeare_ppl.test": shakespeare_passages(val_docs),
     }
-    from .io import atomic_write_text
+    from ..utils.io import atomic_write_text
 
     for name, rows in files.items():
         atomic_write_text(os.path.join(out_dir, f"{name}.jsonl"),

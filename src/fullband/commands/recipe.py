@@ -39,12 +39,12 @@ import time
 
 import torch
 
-from .evaluate import load_any_model, row_losses
-from .experiments import flop_parameters, training_flops
-from .io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
-from .presets import get_preset
-from .stats import bootstrap_ci
-from .train import TrainConfig, build_tokenizer_and_corpus, spread_rows, train
+from ..eval.scoring import load_any_model, row_losses
+from ..commands.experiments import flop_parameters, training_flops
+from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from ..training.presets import get_preset
+from ..utils.stats import bootstrap_ci
+from ..training.train import TrainConfig, build_tokenizer_and_corpus, spread_rows, train
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -102,7 +102,7 @@ def mode_key(mode: str, k: int | None) -> str:
 
 def mean_passes(settings: dict, steps: int) -> float:
     """Mean K over a branch of ``steps`` steps with feedback from step 0."""
-    from .objective import FeedbackSchedule
+    from ..model.objective import FeedbackSchedule
 
     if settings.get("num_passes", 2) == 1:
         return 1.0
@@ -319,7 +319,7 @@ def plot(res: dict, path: str) -> str:
 def run_recipe(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from .distributed import resolve_device
+    from ..training.distributed import resolve_device
 
     hf_logging.disable_progress_bar()
     if args.quick:

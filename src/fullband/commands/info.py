@@ -7,7 +7,7 @@ import os
 
 
 def describe(model_dir: str) -> dict:
-    from .modeling import load_model
+    from ..model.modeling import load_model
 
     model = load_model(model_dir)
     cfg = model.config

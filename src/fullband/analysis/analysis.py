@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .io import atomic_write_bytes
+from ..utils.io import atomic_write_bytes
 
 DEFAULT_OUT = os.path.join("runs", "analyze")
 INTERVENTIONS = ("real", "zero", "shuffle", "other_doc", "plain")
@@ -55,14 +55,14 @@ def _log(msg: str) -> None:
 
 
 def is_fullband(model) -> bool:
-    from .modeling import FullBandwidthForCausalLM
+    from ..model.modeling import FullBandwidthForCausalLM
 
     return isinstance(model, FullBandwidthForCausalLM)
 
 
 def load_any_model(path: str):
     """A saved fullband model, or a plain Hugging Face causal LM directory (for a baseline)."""
-    from .modeling import load_model
+    from ..model.modeling import load_model
 
     return load_model(path).eval()
 
@@ -132,7 +132,7 @@ def analysis_rows(tokenizer, data: str | None = None, seq_len: int = 128, max_to
     training and cut into rows of ``seq_len``; ``max_tokens // seq_len`` rows are taken evenly spaced over the
     stream, so that several documents are represented.
     """
-    from .data import EMBEDDED, load_documents, split_documents, tokenize_documents
+    from ..data.corpus import EMBEDDED, load_documents, split_documents, tokenize_documents
 
     if seq_len < 4:
         raise ValueError(f"--seq-len must be >= 4 for the analysis (probes look two tokens ahead), got {seq_len}")
@@ -206,7 +206,7 @@ def recurrence(model, ids: torch.Tensor, feedback_mask: torch.Tensor | None = No
     """
     from transformers import DynamicCache
 
-    from .feedback import build_feedback_mask, fuse_where
+    from ..model.feedback import build_feedback_mask, fuse_where
 
     model.check_inputs(ids, None, None, feedback_mask)
     B, T = ids.shape
@@ -256,7 +256,7 @@ def passes_forward(model, ids: torch.Tensor, num_passes: int, feedback_mask: tor
     hidden states shifted right by one) of *all* rows ``[N, T, d]`` (so a transform may take states from other
     rows). Returns the last pass's per-position next-token loss ``[N, T-1]``.
     """
-    from .feedback import build_feedback_mask, fuse_where, shift_right
+    from ..model.feedback import build_feedback_mask, fuse_where, shift_right
 
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
@@ -409,7 +409,7 @@ def collect(model, ids: torch.Tensor, doc_ids: torch.Tensor, selection: torch.Te
             lens: bool = True) -> Collected:
     """Run ``model`` over the rows (a fullband model: the exact recurrence; a plain LM: its ordinary forward) and
     gather the loss, the logit lens, the probe features/targets at ``selection`` and the fused/plain norm ratio."""
-    from .feedback import build_feedback_mask, shift_right
+    from ..model.feedback import build_feedback_mask, shift_right
 
     fb = is_fullband(model)
     backbone = backbone_of(model)
@@ -488,7 +488,7 @@ def load_bearing(model, ids: torch.Tensor, doc_ids: torch.Tensor, real: RunRecor
     they transform the fed-state tensor of every pass k > 1 (the states there are pass k-1's of the same
     intervened forward). ``damage`` = intervened loss − real loss.
     """
-    from .feedback import build_feedback_mask, shift_right
+    from ..model.feedback import build_feedback_mask, shift_right
 
     if not is_fullband(model):
         raise ValueError("the load-bearing test needs a fullband model (one with latent feedback)")
@@ -674,7 +674,7 @@ def gate_statistics(model, ids: torch.Tensor, norm_ratio: torch.Tensor | None = 
     real recurrence (``norm_ratio``). Gate entries are ``None`` for a non-GLU fusion."""
     import numpy as np
 
-    from .feedback import GLUFusion
+    from ..model.feedback import GLUFusion
 
     out: dict = {"fusion": model.config.fusion}
     tokens, counts = torch.unique(ids.flatten(), return_counts=True)
@@ -748,7 +748,7 @@ class AnalyzeOptions:
 
 def _tokenizer_for(model_dir: str, given: str | None = None):
     """``given`` (a tokenizer directory) or else the one saved in ``model_dir``."""
-    from .data import load_tokenizer
+    from ..data.corpus import load_tokenizer
 
     if given:
         return load_tokenizer(given), given
@@ -758,7 +758,7 @@ def _tokenizer_for(model_dir: str, given: str | None = None):
 
 
 def _check_fits(model, data: AnalysisData, which: str) -> None:
-    from .modeling import max_positions
+    from ..model.modeling import max_positions
 
     cfg = backbone_of(model).config
     limit = max_positions(cfg)

@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from .io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
 
 DE_DEFAULTS = dict(out=os.path.join("runs", "experiments", "data-efficiency"), preset="tiny", steps=100,
                    batch_size=16, seq_len=256, vocab_size=4096, multipliers="0.5,0.75,1,1.25,1.5", eval_rows=128,
@@ -81,7 +81,7 @@ def _say(args):
 def parse_settings(items: list[str] | None) -> dict:
     """``--set NAME=VALUE`` pairs (VALUE parsed as YAML: numbers, true/false, lists) for any ``fullband train``
     option; names with dashes or underscores."""
-    from .train import TrainConfig
+    from ..training.train import TrainConfig
 
     names = set(TrainConfig.field_names())
     out = {}
@@ -112,7 +112,7 @@ def recipe_from_args(args) -> dict:
 
 
 def add_recipe_arguments(p) -> None:
-    from .train import TrainConfig
+    from ..training.train import TrainConfig
 
     defaults = TrainConfig()
     g = p.add_argument_group("FBT recipe (defaults: fullband train's)")
@@ -162,7 +162,7 @@ def _steps(args) -> int:
 
 
 def _base_config(args, out: str, steps: int, data: str, **extra):
-    from .train import TrainConfig, make_config
+    from ..training.train import TrainConfig, make_config
 
     values = dict(out=out, steps=steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, data=data, progress=not args.no_progress,
@@ -184,8 +184,8 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True) -> tuple[dict, dic
     """Train the baseline and the FBT run (same steps, seed, data). With ``share``, the K = 1 steps before the
     feedback start (identical in both) are trained once and the FBT run resumes from the baseline's checkpoint
     there. Returns both summaries and the number of shared steps."""
-    from .quickstart import _copy_branch
-    from .train import train
+    from ..commands.quickstart import _copy_branch
+    from ..training.train import train
 
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     share = share and 0 < start < fbt_cfg.steps and base_cfg.steps == fbt_cfg.steps
@@ -312,9 +312,9 @@ def parse_multipliers(text: str) -> list[float]:
 def run_data_efficiency(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from .evaluate import evaluate_loss
-    from .modeling import load_model
-    from .train import build_tokenizer_and_corpus, train
+    from ..eval.scoring import evaluate_loss
+    from ..model.modeling import load_model
+    from ..training.train import build_tokenizer_and_corpus, train
 
     hf_logging.disable_progress_bar()
     say = _say(args)
@@ -594,7 +594,7 @@ def parse_task_options(items: list[str] | None) -> dict:
 def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options: dict):
     """``(train, test, overlap_removed)``: training problems from ``seed``, test problems from another seed
     with every question that occurs in training removed."""
-    from .reasoning import make_problems
+    from ..eval.reasoning import make_problems
 
     if task == "gsm8k":
         raise ValueError("the reasoning experiment trains on synthetic tasks: choose arithmetic, state or permutation")
@@ -615,10 +615,10 @@ def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options:
 def run_reasoning_experiment(args) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from .data import Corpus, Document, pack, tokenize_documents, train_tokenizer
-    from .evaluate import evaluate_loss
-    from .modeling import load_model
-    from .reasoning import ANSWER_MARKER, compare_runs, evaluate_reasoning, format_example, report_markdown, summarize
+    from ..data.corpus import Corpus, Document, pack, tokenize_documents, train_tokenizer
+    from ..eval.scoring import evaluate_loss
+    from ..model.modeling import load_model
+    from ..eval.reasoning import ANSWER_MARKER, compare_runs, evaluate_reasoning, format_example, report_markdown, summarize
 
     hf_logging.disable_progress_bar()
     say = _say(args)
@@ -627,7 +627,7 @@ def run_reasoning_experiment(args) -> dict:
     for name in ("train_problems", "test_problems", "max_new_tokens", "gen_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    from .generation import MODES
+    from ..model.generation import MODES
 
     fbt_modes = [m.strip() for m in args.fbt_modes.split(",") if m.strip()]
     if not fbt_modes or any(m not in MODES for m in fbt_modes):
@@ -820,6 +820,6 @@ def add_parser(sub) -> None:
     add_recipe_arguments(r)
     r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])
 
-    from .recipe import add_parser as add_recipe_parser  # recipe builds on this module's FLOP counting
+    from ..commands.recipe import add_parser as add_recipe_parser  # recipe builds on this module's FLOP counting
 
     add_recipe_parser(ex)
