@@ -184,7 +184,7 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True) -> tuple[dict, dic
     """Train the baseline and the FBT run (same steps, seed, data). With ``share``, the K = 1 steps before the
     feedback start (identical in both) are trained once and the FBT run resumes from the baseline's checkpoint
     there. Returns both summaries and the number of shared steps."""
-    from ..commands.quickstart import _copy_branch
+    from .quickstart import _copy_branch
     from ..training.train import train
 
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
@@ -820,6 +820,6 @@ def add_parser(sub) -> None:
     add_recipe_arguments(r)
     r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])
 
-    from ..commands.recipe import add_parser as add_recipe_parser  # recipe builds on this module's FLOP counting
+    from .recipe import add_parser as add_recipe_parser  # recipe builds on this module's FLOP counting
 
     add_recipe_parser(ex)

@@ -40,7 +40,7 @@ import time
 import torch
 
 from ..eval.scoring import load_any_model, row_losses
-from ..commands.experiments import flop_parameters, training_flops
+from .experiments import flop_parameters, training_flops
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
 from ..training.presets import get_preset
 from ..utils.stats import bootstrap_ci

@@ -362,7 +362,7 @@ def build_task_data(out_dir: str | None = None, seed: int = 0) -> dict[str, int]
     Returns the number of records per file.
     """
     from ..data.corpus import embedded_corpus, split_documents
-    from ..eval.reasoning import arithmetic_problems, format_target
+    from .reasoning import arithmetic_problems, format_target
 
     out_dir = out_dir or _task_data_dir()
     os.makedirs(out_dir, exist_ok=True)

@@ -614,7 +614,7 @@ def _progress_printer(message: str) -> None:
 
 
 def run(args) -> int:
-    from ..eval.scoring import load_any_model, write_report
+    from .scoring import load_any_model, write_report
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     problems = make_problems(args.task, args.num, args.seed, args.data)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from transformers import AutoConfig, PretrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-from ..model.feedback import check_fusion_name
+from .feedback import check_fusion_name
 
 DECODE_MODES = ("standard", "soft", "fused", "exact")
 

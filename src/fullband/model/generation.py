@@ -76,8 +76,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, StaticCache
 
-from ..model.configuration import DECODE_MODES
-from ..model.feedback import GLUFusion, build_feedback_mask
+from .configuration import DECODE_MODES
+from .feedback import GLUFusion, build_feedback_mask
 
 MODES = DECODE_MODES  # ("standard", "soft", "fused", "exact"), one list with the config's validation
 FEEDBACK_MODES = tuple(m for m in MODES if m != "standard")
@@ -111,7 +111,7 @@ def _check_prefill_passes(prefill_passes) -> int:
 
 
 def _check_length(model, prompt_length: int, max_new_tokens: int) -> None:
-    from ..model.modeling import max_positions
+    from .modeling import max_positions
 
     config = model.config.text_config if has_feedback(model) else model.config
     limit = max_positions(config)
@@ -230,7 +230,7 @@ def clear_gate_table(model=None) -> None:
 
 
 def _positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    from ..model.modeling import position_ids_from_mask
+    from .modeling import position_ids_from_mask
 
     if attention_mask is not None:
         return position_ids_from_mask(attention_mask, length)
@@ -244,7 +244,7 @@ def prefill_forward(model, input_ids: torch.LongTensor, attention_mask: torch.Te
     Returns a :class:`~fullband.FullBandwidthOutput` with the last position's logits ``[B, 1, V]`` and final hidden
     state ``[B, 1, d]`` (the state the first generated token is fused with), and the cache.
     """
-    from ..model.modeling import FullBandwidthOutput
+    from .modeling import FullBandwidthOutput
 
     if mode in ("standard", "soft", "fused"):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
@@ -687,7 +687,7 @@ def _run_cli(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from ..cli import UsageError
-    from ..model.modeling import load_model
+    from .modeling import load_model
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")

@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
-from ..model.configuration import FullBandwidthConfig
-from ..model.feedback import build_feedback_mask, build_fusion, fuse_where, jitter, shift_right
-from ..model.generation import FeedbackGenerationMixin
-from ..model.objective import combine_pass_losses
+from .configuration import FullBandwidthConfig
+from .feedback import build_feedback_mask, build_fusion, fuse_where, jitter, shift_right
+from .generation import FeedbackGenerationMixin
+from .objective import combine_pass_losses
 
 
 @dataclass

@@ -50,7 +50,7 @@ import torch
 
 from ..training import distributed as D
 from ..utils.io import atomic_save_pretrained, atomic_write_json, read_jsonl, rewrite_jsonl
-from ..training.train import TrainConfig, _f, _flag
+from .train import TrainConfig, _f, _flag
 
 ROLES = ("system", "user", "assistant")
 SYNTHETIC = ("arithmetic", "state", "permutation", "mixed")
@@ -555,7 +555,7 @@ def resolve_init(path: str) -> tuple[str, str]:
     """``(kind, path)``: ``fullband`` (a saved fullband model), ``checkpoint`` (a ``fullband train`` checkpoint
     directory; a run directory without a final model resolves to its newest checkpoint) or ``hf`` (a plain causal
     LM, to retrofit)."""
-    from ..training.train import find_checkpoint
+    from .train import find_checkpoint
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init-from directory {path!r} does not exist")
@@ -581,7 +581,7 @@ def load_init(cfg: SFTConfig, tokenizer=None):
 
     from ..data.corpus import load_tokenizer, special_ids
     from ..model.modeling import FullBandwidthForCausalLM, load_model
-    from ..training.train import build_model, load_checkpoint_state
+    from .train import build_model, load_checkpoint_state
 
     kind, path = resolve_init(cfg.init_from)
     feedback = dict(feedback_weight=float(cfg.feedback_weight), jitter=float(cfg.jitter),
@@ -684,7 +684,7 @@ def _sft(cfg: SFTConfig, env: D.DistEnv, resume: bool, overwrite: bool, conversa
     from safetensors.torch import load_file
 
     from ..data.corpus import batch_rows, load_tokenizer
-    from ..training.train import (METRICS, RUN_CONFIG, TOKENIZER_DIR, Guard, Run, _clean, _clear_outputs, _Log, _prepare_out,
+    from .train import (METRICS, RUN_CONFIG, TOKENIZER_DIR, Guard, Run, _clean, _clear_outputs, _Log, _prepare_out,
                         _set_rng_state, autocast_context, build_optimizer, load_checkpoint_state, lr_at,
                         save_checkpoint)
 
@@ -883,7 +883,7 @@ def build_feedback_mask_plain(batch: dict, doc_id: int | None) -> torch.Tensor:
 def _finish_sft(run, tokenizer, val_convs, val_enc: Encoded, init_kind: str, summary: dict) -> None:
     """Save the model and tokenizer into OUT; evaluate held-out loss per mode and greedy replies."""
     from ..utils.plotting import plot_loss_curves
-    from ..training.train import METRICS
+    from .train import METRICS
 
     cfg, env = run.cfg, run.env
     if D.is_sharded(D.unwrap(run.model)):
@@ -957,7 +957,7 @@ def format_summary(summary: dict) -> str:
 
 
 def add_parser(sub) -> None:
-    from ..training.train import add_config_arguments
+    from .train import add_config_arguments
 
     p = sub.add_parser(
         "sft", help="instruction-tune a model on chat conversations (loss on assistant tokens, K-pass objective)",
@@ -976,7 +976,7 @@ def add_parser(sub) -> None:
 
 
 def run_cli(args) -> int:
-    from ..training.train import find_checkpoint, load_checkpoint_state
+    from .train import find_checkpoint, load_checkpoint_state
 
     names = set(_sft_fields()) - set(SKIP_FLAGS)
     explicit = {k: v for k, v in vars(args).items() if k in names}

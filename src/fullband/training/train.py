@@ -165,14 +165,14 @@ class TrainConfig:
             return self.lr
         if self.init_from:
             return 3e-4
-        from ..training.presets import get_preset
+        from .presets import get_preset
 
         return get_preset(self.preset).lr
 
     def validate(self, world_size: int = 1) -> "TrainConfig":
         """Raise ``ValueError`` for any bad value (before anything is written)."""
         from ..model.feedback import check_fusion_name
-        from ..training.presets import get_preset
+        from .presets import get_preset
 
         def need(cond, msg):
             if not cond:
@@ -366,7 +366,7 @@ def build_model(cfg: TrainConfig, tokenizer):
     from ..model.configuration import FullBandwidthConfig
     from ..data.corpus import special_ids
     from ..model.modeling import FullBandwidthForCausalLM, load_model
-    from ..training.presets import backbone_config
+    from .presets import backbone_config
 
     bos, eos = special_ids(tokenizer)
     pad = tokenizer.pad_token_id
@@ -1180,7 +1180,7 @@ def benchmark_train(args) -> dict:
 
     from ..model.feedback import build_feedback_mask
     from ..model.modeling import FullBandwidthForCausalLM
-    from ..training.presets import backbone_config
+    from .presets import backbone_config
 
     hf_logging.disable_progress_bar()
     tuned = tune_cpu_allocator()  # as `fullband train` does

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 
-from ..utils.io import atomic_write_bytes, read_jsonl
+from .io import atomic_write_bytes, read_jsonl
 
 
 def _smooth(values: list[float], beta: float) -> list[float]:
