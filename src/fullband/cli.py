@@ -11,6 +11,9 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+from .utils.errors import UsageError
+
 # sub-command modules, in the order `fullband --help` lists them
 COMMAND_MODULES = [
     "fullband.commands.info",
@@ -27,13 +30,9 @@ COMMAND_MODULES = [
 ]
 
 
-class UsageError(Exception):
-    """A problem the user can fix; printed as one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="fullband",
         description="Full-bandwidth transformer: latent feedback on Hugging Face causal LMs.",

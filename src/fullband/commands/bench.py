@@ -310,7 +310,7 @@ def _csv(kind):
 
 
 def _run_decode(args) -> int:
-    from ..cli import UsageError
+    from ..utils.errors import UsageError
 
     if args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1 or min(args.batch_sizes) < 1:
         raise UsageError("--new-tokens, --prompt-len, --repeats and --batch-sizes must be >= 1")

@@ -686,7 +686,7 @@ def _run_cli(args) -> int:
     from transformers import AutoTokenizer, StopStringCriteria, TextStreamer
     from transformers.utils import logging as hf_logging
 
-    from ..cli import UsageError
+    from ..utils.errors import UsageError
     from .modeling import load_model
 
     if args.max_new_tokens < 1:
