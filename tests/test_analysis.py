@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import BOS, random_ids, tiny_backbone, tiny_model
 
 import fullband
-from fullband.analysis import analysis as A
+from fullband import analysis as A
 from fullband.eval.scoring import evaluate_loss
 from fullband.model.feedback import build_feedback_mask, shift_right
 
@@ -56,7 +56,7 @@ def test_recurrence_and_passes_reproduce_the_model(fam):
     for k in (1, 2, 3):
         logits = model(ids, num_passes=k).logits
         want = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-        torch.testing.assert_close(A.passes_forward(model, ids, k, batch_size=2).flatten(), want)
+        torch.testing.assert_close(A.passes_forward(model, ids, k).flatten(), want)
 
 
 def test_load_bearing_real_matches_evaluate_loss():

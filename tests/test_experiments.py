@@ -11,7 +11,8 @@ import random
 import pytest
 
 from fullband import cli
-from fullband.commands.experiments import crossing, flop_parameters, loss_at, parse_multipliers, training_flops
+from fullband.commands.experiments import crossing, loss_at, parse_multipliers
+from fullband.eval.flops import flop_parameters, training_flops
 from fullband.utils.io import read_jsonl
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()

@@ -10,9 +10,10 @@ import torch
 from conftest import BOS, EOS, PAD, VOCAB, random_ids, tiny_backbone, tiny_model
 
 from fullband import cli
-from fullband.model.feedback import build_feedback_mask, fuse_where, shift_right
-from fullband.model.generation import (FEEDBACK_MODES, FeedbackCache, FeedbackStaticCache, cache_bytes, clear_gate_table,
-                                 gate_table, generate, score)
+from fullband.model.cache import FeedbackCache, FeedbackStaticCache, cache_bytes
+from fullband.model.configuration import FEEDBACK_MODES
+from fullband.model.feedback import build_feedback_mask, clear_gate_table, fuse_where, gate_table, shift_right
+from fullband.model.generation import generate, score
 
 ATOL = 1e-5
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import fullband
 from fullband import cli
 from fullband.utils.io import read_jsonl
-from fullband.training.train import clip_gradients
+from fullband.training.optimizer import clip_gradients
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 

@@ -20,7 +20,10 @@ import torch
 import fullband
 from fullband import cli
 from fullband.utils.io import read_jsonl
-from fullband.training.train import TrainConfig, find_checkpoint, lr_at, make_config, read_config_file, train
+from fullband.training.checkpoint import find_checkpoint
+from fullband.training.config import TrainConfig, make_config, read_config_file
+from fullband.training.pretrain import train
+from fullband.training.schedule import lr_at
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 
@@ -127,7 +130,7 @@ def test_baseline_matches_fbt_until_feedback_and_branching_is_exact(data, tmp_pa
     a, b = losses(tmp_path / "fbt"), losses(tmp_path / "base")
     assert a[:3] == b[:3] and a[3:] != b[3:]
     # branch: baseline to the feedback start, then the FBT settings from its checkpoint
-    from fullband.commands.quickstart import _copy_branch
+    from fullband.commands.quickstart import copy_branch as _copy_branch
 
     first = train(cfg(data, tmp_path / "b2", **dict(fb, num_passes=1, deep_passes=1), stop_after=3))
     assert first["status"] == "paused"
@@ -191,6 +194,56 @@ def test_sigkill_and_resume_is_bitwise(data, tmp_path):
     assert a == b  # bitwise: json floats round-trip exactly
 
 
+# ----------------------------------------------------------------------------------------------- safe checkpoints
+
+
+def copy_run(finished, tmp_path, name):
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(finished, dst)
+    return dst, find_checkpoint(str(dst))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "rng-rank0.pt", "trainer_state.json"])
+def test_truncated_checkpoint_file_is_a_one_line_error(finished, tmp_path, capsys, name):
+    run, ckpt = copy_run(finished, tmp_path, "run")
+    path = os.path.join(ckpt, name)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    rc = cli.main(["train", "--resume", "--out", str(run), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert err.startswith("fullband train: error:") and "\n" not in err and path in err, err
+
+
+def test_checkpoint_loads_refuse_pickled_objects(finished, tmp_path, capsys):
+    """Resume loads with weights_only=True: a pickle that would run code (or build a numpy array) is refused."""
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    run, ckpt = copy_run(finished, tmp_path, "run")
+    rng = os.path.join(ckpt, "rng-rank0.pt")
+    state = torch.load(rng, weights_only=True)  # the checkpoint as written loads weights-only
+    assert isinstance(state["python"]["state"], list) and isinstance(state["numpy"]["state"], torch.Tensor)
+    torch.save({**state, "extra": Boom()}, rng)
+    assert cli.main(["train", "--resume", "--out", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and rng in err and not marker.exists(), err
+    run2, ckpt2 = copy_run(finished, tmp_path, "run2")
+    opt = os.path.join(ckpt2, "optimizer.pt")
+    import numpy as np
+
+    torch.save({**torch.load(opt, weights_only=True), "numpy": np.zeros(3)}, opt)
+    assert cli.main(["train", "--resume", "--out", str(run2), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and opt in err, err
+
+
 # ----------------------------------------------------------------------------------------------- guard
 
 
@@ -237,6 +290,20 @@ def test_two_process_ddp_matches_single_process(data, tmp_path):
     ma = fullband.model.modeling.load_model(str(single)).state_dict()
     mb = fullband.model.modeling.load_model(str(ddp)).state_dict()
     assert max((ma[k] - mb[k]).abs().max().item() for k in ma) < 1e-4
+
+
+def test_fsdp_pause_and_resume_is_bitwise(data, tmp_path):
+    """FSDP2 over 2 processes: a run paused before the feedback start and resumed logs the same losses as an
+    uninterrupted one (the fusion, never stepped before the checkpoint, starts its AdamW state afresh in both)."""
+    extra = ["--feedback-start", "0.5", "--parallel", "fsdp", "--save-every", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+              "fullband.cli"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    for argv in (args(data, full, *extra, steps=4), args(data, part, *extra, "--stop-after", "2", steps=4),
+                 ["train", "--resume", "--out", str(part), "--no-progress"]):
+        p = subprocess.run(launch + argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(full) == losses(part) and [x[3] for x in losses(part)] == [1, 1, 2, 2]
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -296,7 +363,7 @@ def test_bad_values_and_missing_files_leave_checkpoints_untouched(data, finished
 def test_benchmark_train_reports_three_cases():
     from types import SimpleNamespace
 
-    from fullband.training.train import benchmark_train, format_benchmark
+    from fullband.commands.bench_train import benchmark_train, format_benchmark
 
     res = benchmark_train(SimpleNamespace(preset="micro", batch_size=2, seq_len=16, vocab_size=300, steps=3,
                                           warmup=0, device="cpu", precision="fp32"))
@@ -332,7 +399,7 @@ def test_quickstart_smoke(tmp_path, capsys):
     # the table's figures are fullband.eval.scoring's, on the same rows
     from fullband.data.corpus import load_tokenizer
     from fullband.eval.scoring import evaluate_loss, evaluation_rows
-    from fullband.training.train import spread_rows
+    from fullband.training.pretrain import spread_rows
 
     fbt_model = fullband.model.modeling.load_model(str(out / "fbt"))
     val_rows, _ = evaluation_rows(load_tokenizer(str(out / "fbt")), None, "val", seq_len=32)

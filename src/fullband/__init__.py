@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .model.configuration import FullBandwidthConfig
 from .model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 from .model.modeling import FullBandwidthForCausalLM, FullBandwidthOutput
-from .model.objective import FeedbackSchedule, combine_pass_losses
+from .model.objective import combine_pass_losses
+from .training.schedule import FeedbackSchedule
 
 __version__ = "0.1.0"
 

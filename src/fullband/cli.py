@@ -17,14 +17,14 @@ from .utils.errors import UsageError
 # sub-command modules, in the order `fullband --help` lists them
 COMMAND_MODULES = [
     "fullband.commands.info",
-    "fullband.training.train",
+    "fullband.commands.train",
     "fullband.commands.quickstart",
-    "fullband.training.sft",
-    "fullband.model.generation",
+    "fullband.commands.sft",
+    "fullband.commands.generate",
     "fullband.commands.bench",
-    "fullband.eval.scoring",
-    "fullband.eval.reasoning",
-    "fullband.analysis.analysis",
+    "fullband.commands.eval",
+    "fullband.commands.reason",
+    "fullband.commands.analyze",
     "fullband.commands.experiments",
     "fullband.serving.commands",
 ]

@@ -10,7 +10,7 @@ Owns the ``bench`` command and its sub-commands:
   standard >= 0.98 at d768 L12 batch 1 and >= 0.95 at the tiny size; lean loop >= HF ``generate()`` in standard
   mode; KV-cache bytes identical across modes.
 * ``bench train``: registered by :func:`_add_train` when the training module provides it (it calls
-  ``fullband.train.benchmark_train(args)``).
+  ``fullband.commands.bench_train.benchmark_train(args)``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,14 @@ import time
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from ..model.generation import MODES, cache_bytes, generate, interleaved_decode_times
+from ..model.cache import cache_bytes
+from ..model.generation import MODES, generate, interleaved_decode_times
+from ..model.modeling import FullBandwidthForCausalLM
+from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` (vLLM), implemented there
+from ..utils.errors import UsageError
+from .bench_train import benchmark_train, format_benchmark
 
 SIZES = {"tiny": (256, 4), "small": (768, 12)}  # name -> (d_model, layers); "small" is GPT-2 small's shape
 DECODE_DESCRIPTION = (
@@ -51,10 +57,6 @@ def parse_size(spec: str) -> tuple[str, int, int]:
 def build_bench_model(family: str, d: int, layers: int, vocab: int | None, seed: int = 0, positions: int = 1024):
     """A randomly initialised fullband model (glu fusion) of the given shape; no EOS, so every run makes the same
     number of tokens."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-
-    from ..model.modeling import FullBandwidthForCausalLM
-
     heads = max(1, d // 64)
     common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
     if family == "gpt2":
@@ -310,8 +312,6 @@ def _csv(kind):
 
 
 def _run_decode(args) -> int:
-    from ..utils.errors import UsageError
-
     if args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1 or min(args.batch_sizes) < 1:
         raise UsageError("--new-tokens, --prompt-len, --repeats and --batch-sizes must be >= 1")
     bad = sorted(set(args.modes) - set(MODES))
@@ -360,11 +360,10 @@ def _add_decode(sub) -> None:
 
 def _add_train(sub) -> None:
     """``bench train``: step time and tokens/s of a training step at K = 1, K = 2 and K = 2 with a stop-gradient
-    state (:func:`fullband.train.benchmark_train`). Goal (a benchmark, not a timed test): K=2 / K=1 <= 2.1."""
+    state (:func:`fullband.commands.bench_train.benchmark_train`). Goal (a benchmark, not a timed test):
+    K=2 / K=1 <= 2.1."""
 
     def _run(args) -> int:
-        from ..training.train import benchmark_train, format_benchmark
-
         if args.threads:
             torch.set_num_threads(args.threads)
         report = benchmark_train(args)
@@ -395,7 +394,6 @@ def add_parser(sub) -> None:
     add_train = globals().get("_add_train")
     if add_train is not None:
         add_train(bench_sub)
-    from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` (vLLM), implemented there
 
     _add_serve(bench_sub)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import os
@@ -46,8 +47,27 @@ import sys
 import time
 
 import torch
+from transformers.utils import logging as hf_logging
 
+from ..data.corpus import Corpus, Document, pack, tokenize_documents, train_tokenizer
+from ..eval.flops import flop_parameters, training_flops
+from ..eval.reasoning import (
+    ANSWER_MARKER,
+    compare_runs,
+    evaluate_reasoning,
+    format_example,
+    make_problems,
+    report_markdown,
+    summarize,
+)
+from ..eval.scoring import evaluate_loss
+from ..model.generation import MODES
+from ..model.modeling import load_model
+from ..training.config import TrainConfig, make_config
+from ..training.pretrain import build_tokenizer_and_corpus, train
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from .quickstart import copy_branch
+from .recipe import add_parser as add_recipe_parser
 
 DE_DEFAULTS = dict(out=os.path.join("runs", "experiments", "data-efficiency"), preset="tiny", steps=100,
                    batch_size=16, seq_len=256, vocab_size=4096, multipliers="0.5,0.75,1,1.25,1.5", eval_rows=128,
@@ -81,8 +101,6 @@ def _say(args):
 def parse_settings(items: list[str] | None) -> dict:
     """``--set NAME=VALUE`` pairs (VALUE parsed as YAML: numbers, true/false, lists) for any ``fullband train``
     option; names with dashes or underscores."""
-    from ..training.train import TrainConfig
-
     names = set(TrainConfig.field_names())
     out = {}
     for item in items or []:
@@ -112,8 +130,6 @@ def recipe_from_args(args) -> dict:
 
 
 def add_recipe_arguments(p) -> None:
-    from ..training.train import TrainConfig
-
     defaults = TrainConfig()
     g = p.add_argument_group("FBT recipe (defaults: fullband train's)")
     for flag, field, typ in RECIPE:
@@ -162,8 +178,6 @@ def _steps(args) -> int:
 
 
 def _base_config(args, out: str, steps: int, data: str, **extra):
-    from ..training.train import TrainConfig, make_config
-
     values = dict(out=out, steps=steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, data=data, progress=not args.no_progress,
                   tensorboard=False, plot=False, eval_every=steps, eval_rows=32, device=args.device, save_every=0)
@@ -184,15 +198,12 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True) -> tuple[dict, dic
     """Train the baseline and the FBT run (same steps, seed, data). With ``share``, the K = 1 steps before the
     feedback start (identical in both) are trained once and the FBT run resumes from the baseline's checkpoint
     there. Returns both summaries and the number of shared steps."""
-    from .quickstart import _copy_branch
-    from ..training.train import train
-
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     share = share and 0 < start < fbt_cfg.steps and base_cfg.steps == fbt_cfg.steps
     if share:
         first = train(dataclasses.replace(base_cfg, stop_after=start), overwrite=True, corpus=corpus,
                       name=f"{_name(base_cfg)}+{_name(fbt_cfg)} (shared K=1 steps)")
-        _copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
+        copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
         base = train(base_cfg, resume=True, corpus=corpus, name=_name(base_cfg))
         fbt = train(fbt_cfg, resume=True, corpus=corpus, name=_name(fbt_cfg))
     else:
@@ -214,36 +225,6 @@ def _check_done(summary: dict) -> None:
 
 
 # ============================================================================================== FLOPs
-
-
-def flop_parameters(model) -> dict:
-    """What the FLOP count needs: ``matmul_params`` (backbone parameters in matrix multiplies: all of them but an
-    untied input-embedding table), ``fusion_params``, ``layers``, ``hidden``."""
-    backbone = getattr(model, "backbone", model)
-    emb = backbone.get_input_embeddings().weight
-    head = backbone.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
-    total = sum(p.numel() for p in backbone.parameters())
-    matmul = total - (0 if tied else emb.numel())
-    cfg = backbone.config
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
-    fusion = sum(p.numel() for p in model.feedback.parameters()) if hasattr(model, "feedback") else 0
-    return {"matmul_params": int(matmul), "fusion_params": int(fusion), "layers": int(layers), "hidden": int(hidden),
-            "total_backbone_params": int(total)}
-
-
-def training_flops(records: list[dict], tokens_per_step: int, seq_len: int, fp: dict) -> dict:
-    """Training FLOPs of a run from its ``metrics.jsonl`` training records (skipped steps cost compute too):
-    per token and pass ``6·N + 6·L·T·d``, plus ``6·N_fusion`` on every fused pass (passes 2..K)."""
-    per_pass = 6.0 * fp["matmul_params"] + 6.0 * fp["layers"] * seq_len * fp["hidden"]
-    fused = 6.0 * fp["fusion_params"]
-    steps = [r for r in records if r.get("split", "train") == "train" and "num_passes" in r]
-    passes = sum(int(r["num_passes"]) for r in steps)
-    fused_passes = sum(int(r["num_passes"]) - 1 for r in steps)
-    flops = tokens_per_step * (passes * per_pass + fused_passes * fused)
-    return {"flops": flops, "steps": len(steps), "passes": passes, "tokens": len(steps) * tokens_per_step,
-            "flops_per_token_pass": per_pass}
 
 
 # ============================================================================================== interpolation
@@ -310,12 +291,6 @@ def parse_multipliers(text: str) -> list[float]:
 
 
 def run_data_efficiency(args) -> dict:
-    from transformers.utils import logging as hf_logging
-
-    from ..eval.scoring import evaluate_loss
-    from ..model.modeling import load_model
-    from ..training.train import build_tokenizer_and_corpus, train
-
     hf_logging.disable_progress_bar()
     say = _say(args)
     t_all = time.perf_counter()
@@ -538,8 +513,6 @@ def data_efficiency_report(res: dict, tables: str) -> str:
 
 
 def plot_data_efficiency(res: dict, path: str) -> str:
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -594,8 +567,6 @@ def parse_task_options(items: list[str] | None) -> dict:
 def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options: dict):
     """``(train, test, overlap_removed)``: training problems from ``seed``, test problems from another seed
     with every question that occurs in training removed."""
-    from ..eval.reasoning import make_problems
-
     if task == "gsm8k":
         raise ValueError("the reasoning experiment trains on synthetic tasks: choose arithmetic, state or permutation")
     try:
@@ -613,13 +584,6 @@ def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options:
 
 
 def run_reasoning_experiment(args) -> dict:
-    from transformers.utils import logging as hf_logging
-
-    from ..data.corpus import Corpus, Document, pack, tokenize_documents, train_tokenizer
-    from ..eval.scoring import evaluate_loss
-    from ..model.modeling import load_model
-    from ..eval.reasoning import ANSWER_MARKER, compare_runs, evaluate_reasoning, format_example, report_markdown, summarize
-
     hf_logging.disable_progress_bar()
     say = _say(args)
     t_all = time.perf_counter()
@@ -627,7 +591,6 @@ def run_reasoning_experiment(args) -> dict:
     for name in ("train_problems", "test_problems", "max_new_tokens", "gen_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    from ..model.generation import MODES
 
     fbt_modes = [m.strip() for m in args.fbt_modes.split(",") if m.strip()]
     if not fbt_modes or any(m not in MODES for m in fbt_modes):
@@ -819,7 +782,5 @@ def add_parser(sub) -> None:
     r.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default: 10000)")
     add_recipe_arguments(r)
     r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])
-
-    from .recipe import add_parser as add_recipe_parser  # recipe builds on this module's FLOP counting
 
     add_recipe_parser(ex)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+from ..model.modeling import load_model
+
 
 def describe(model_dir: str) -> dict:
-    from ..model.modeling import load_model
-
     model = load_model(model_dir)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())

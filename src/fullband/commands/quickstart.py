@@ -35,8 +35,18 @@ import sys
 import time
 
 import torch
+from transformers.utils import logging as hf_logging
 
+from ..eval.scoring import load_any_model, row_losses
+from ..model.generation import MODES, generate
+from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR
+from ..training.checkpoint import clear_outputs as _clear_outputs
+from ..training.config import TrainConfig
+from ..training.device import tune_cpu_allocator
+from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
 from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
+from ..utils.plotting import plot_loss_curves
+from ..utils.stats import bootstrap_ci
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240, batch_size=16, seq_len=256,
                 vocab_size=4096, seed=0, feedback_start=0.75, num_passes=2, eval_rows=128, samples=3,
@@ -44,8 +54,6 @@ DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240
 
 
 def _configs(args):
-    from ..training.train import TrainConfig
-
     common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
                   progress=not args.no_progress, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
@@ -55,10 +63,8 @@ def _configs(args):
     return base, fbt
 
 
-def _copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
+def copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
     """Seed the FBT run with the baseline's checkpoint at the feedback start (and its log up to there)."""
-    from ..training.train import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, _clear_outputs
-
     if os.path.isdir(fbt_dir):
         _clear_outputs(fbt_dir)
     os.makedirs(os.path.join(fbt_dir, CKPT_DIR), exist_ok=True)
@@ -73,12 +79,7 @@ def _copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
 def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tokens: int, new_tokens: int,
              seed: int) -> tuple[list[dict], str]:
     """Sampled continuations of held-out prompts per (model, decode mode)."""
-    try:
-        from ..model.generation import generate as lean_generate
-        how = "fullband.generation.generate (temperature 0.8, top-k 40)"
-    except ImportError:  # pragma: no cover - the generation module is part of the package
-        lean_generate = None
-        how = "Hugging Face generate() in standard mode (fullband.generation unavailable)"
+    how = "fullband.model.generation.generate (temperature 0.8, top-k 40)"
     bos = tokenizer.bos_token_id
     picks = [int(i) for i in torch.linspace(0, val_rows.shape[0] - 1, n).round().long()] if n > 0 else []
     prompts = []
@@ -97,16 +98,9 @@ def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tok
                 ids = torch.tensor([prompt])
                 g = torch.Generator().manual_seed(seed + 1000 * j)
                 with torch.inference_mode():
-                    if lean_generate is not None:
-                        res = lean_generate(model, ids, mode=mode, max_new_tokens=new_tokens, do_sample=True,
-                                            temperature=0.8, top_k=40, generator=g, ignore_eos=True)
-                        new = res.new_tokens[0]
-                    else:
-                        torch.manual_seed(seed + 1000 * j)
-                        backbone = getattr(model, "backbone", model)
-                        seq = backbone.generate(ids, max_new_tokens=new_tokens, do_sample=True, temperature=0.8,
-                                                top_k=40, pad_token_id=tokenizer.pad_token_id)
-                        new = seq[0, ids.shape[1]:]
+                    res = generate(model, ids, mode=mode, max_new_tokens=new_tokens, do_sample=True,
+                                   temperature=0.8, top_k=40, generator=g, ignore_eos=True)
+                new = res.new_tokens[0]
                 out.append({"model": label, "mode": mode, "prompt_index": j,
                             "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
                             "continuation": tokenizer.decode(new, skip_special_tokens=True)})
@@ -132,13 +126,6 @@ def _table(rows: list[dict]) -> str:
 
 
 def run_quickstart(args) -> dict:
-    from transformers.utils import logging as hf_logging
-
-    from ..eval.scoring import load_any_model, row_losses
-    from ..utils.stats import bootstrap_ci
-    from ..utils.plotting import plot_loss_curves
-    from ..training.train import build_tokenizer_and_corpus, spread_rows, train
-
     hf_logging.disable_progress_bar()
     t_all = time.perf_counter()
     load_start = _loadavg()
@@ -169,7 +156,7 @@ def run_quickstart(args) -> dict:
     if share:
         first = train(dataclasses.replace(base_cfg, stop_after=start), overwrite=True, corpus=corpus,
                       name="baseline+fbt (shared K=1 steps)")
-        _copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
+        copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
         base_sum = train(base_cfg, resume=True, corpus=corpus, name="baseline")
         fbt_sum = train(fbt_cfg, resume=True, corpus=corpus, name="fbt")
     else:
@@ -210,11 +197,7 @@ def run_quickstart(args) -> dict:
 
     # ---- samples
     t = time.perf_counter()
-    try:
-        from ..model.generation import MODES as decode_modes
-    except ImportError:  # pragma: no cover
-        decode_modes = ("standard",)
-    samples, how = _samples({"baseline": (baseline, ["standard"]), "FBT": (fbt, list(decode_modes))},
+    samples, how = _samples({"baseline": (baseline, ["standard"]), "FBT": (fbt, list(MODES))},
                             corpus.tokenizer, corpus.val_rows, args.samples, args.prompt_tokens, args.sample_tokens,
                             args.seed)
     t_samples = time.perf_counter() - t
@@ -358,8 +341,6 @@ def add_parser(sub) -> None:
 
 
 def _run_cli(args) -> int:
-    from ..training.train import tune_cpu_allocator
-
     tune_cpu_allocator()
     run_quickstart(args)
     return 0

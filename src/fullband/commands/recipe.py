@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import os
@@ -38,13 +39,17 @@ import sys
 import time
 
 import torch
+from transformers.utils import logging as hf_logging
 
+from ..eval.flops import flop_parameters, training_flops
 from ..eval.scoring import load_any_model, row_losses
-from .experiments import flop_parameters, training_flops
-from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from ..training.config import TrainConfig
+from ..training.distributed import resolve_device
 from ..training.presets import get_preset
+from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
+from ..training.schedule import FeedbackSchedule
+from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
 from ..utils.stats import bootstrap_ci
-from ..training.train import TrainConfig, build_tokenizer_and_corpus, spread_rows, train
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -102,8 +107,6 @@ def mode_key(mode: str, k: int | None) -> str:
 
 def mean_passes(settings: dict, steps: int) -> float:
     """Mean K over a branch of ``steps`` steps with feedback from step 0."""
-    from ..model.objective import FeedbackSchedule
-
     if settings.get("num_passes", 2) == 1:
         return 1.0
     s = FeedbackSchedule(0.0, settings.get("num_passes", 2), settings.get("deep_passes", 4),
@@ -304,7 +307,6 @@ def plot(res: dict, path: str) -> str:
     ax.set_title("recipe grid: Δ vs the equal-token baseline (95% CI)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    import io
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -317,10 +319,6 @@ def plot(res: dict, path: str) -> str:
 
 
 def run_recipe(args) -> dict:
-    from transformers.utils import logging as hf_logging
-
-    from ..training.distributed import resolve_device
-
     hf_logging.disable_progress_bar()
     if args.quick:
         for k, v in QUICK.items():

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from importlib import resources
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from ..utils.io import iter_jsonl_objects
 
 EMBEDDED = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -47,8 +51,6 @@ def embedded_corpus() -> list[Document]:
 
 
 def _read_jsonl(path: str) -> list[Document]:
-    from ..utils.io import iter_jsonl_objects
-
     docs = []
     expected = "an object with a string 'text' field"
     for n, record in iter_jsonl_objects(path, expected):
@@ -129,9 +131,6 @@ SPECIAL_TOKENS = {"pad_token": "<|pad|>", "bos_token": "<|bos|>", "eos_token": "
 
 def train_tokenizer(texts, vocab_size: int = 4096):
     """A byte-level BPE trained with ``tokenizers``, wrapped as a ``PreTrainedTokenizerFast`` (BOS prepended on encode)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     if vocab_size < 300:
         raise ValueError(f"vocab_size must be >= 300 for a byte-level BPE (256 bytes + specials), got {vocab_size}")
     tok = Tokenizer(models.BPE())
@@ -147,8 +146,6 @@ def train_tokenizer(texts, vocab_size: int = 4096):
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
     try:

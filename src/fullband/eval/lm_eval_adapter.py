@@ -33,26 +33,30 @@ import json
 import logging
 import os
 import random
+import sys
 from importlib import resources
 
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
 
 import fullband  # noqa: F401  (registers the fullband config / model with the Auto classes)
 
+from ..data.corpus import embedded_corpus, split_documents
+from ..model.configuration import SCORING_MODES, has_feedback
+from ..model.generation import generate, score
+from ..utils.io import atomic_write_text
+from .reasoning import arithmetic_problems, format_target
+from .scoring import mode_logits
+
 eval_logger = logging.getLogger(__name__)
 
-SCORING_MODES = ("standard", "passes", "exact", "soft", "fused")
 
 
 def tasks_dir() -> str:
     """The folder of lm-eval task YAMLs shipped with the package (give it to ``--include_path``)."""
     return str(resources.files("fullband") / "tasks")
-
-
-def _has_feedback(model) -> bool:
-    return getattr(model, "feedback", None) is not None and getattr(model, "backbone", None) is not None
 
 
 def _as_int(name: str, value, minimum: int) -> int:
@@ -85,7 +89,7 @@ class FullBandLM(HFLM):
             raise FileNotFoundError(f"model directory {pretrained!r} does not exist (fullband loads local "
                                     "directories only)")
         super().__init__(pretrained=pretrained, device=device, backend=backend, **kwargs)
-        self.has_feedback = _has_feedback(self.model)
+        self.has_feedback = has_feedback(self.model)
         if feedback_mode is None:
             feedback_mode = getattr(self.model.config, "default_feedback_mode", None) if self.has_feedback else None
             feedback_mode = feedback_mode or "standard"
@@ -149,11 +153,9 @@ class FullBandLM(HFLM):
             return super()._model_call(inps, attn_mask, labels)
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
-            if self.feedback_mode == "exact":
-                return self.model.recurrent_forward(inps).logits
-            k = self.num_passes if self.feedback_mode == "passes" else 1
-            # soft / fused score through _score_decode_mode; a full forward here only sizes batches
-            return self.model(input_ids=inps, num_passes=k).logits
+            # soft / fused score through _score_decode_mode; a plain forward here only sizes batches
+            mode = self.feedback_mode if self.feedback_mode in ("passes", "exact") else "standard"
+            return mode_logits(self.model, inps, mode, self.num_passes)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if self.feedback_mode in ("soft", "fused"):
@@ -169,10 +171,6 @@ class FullBandLM(HFLM):
         """Loglikelihoods with the context prefilled as the decode mode says and the continuation teacher-forced
         through the feedback recurrence (:func:`fullband.generation.score`); ``is_greedy`` = greedy decoding in
         that mode reproduces the continuation."""
-        from tqdm.auto import tqdm
-
-        from ..model.generation import generate, score
-
         mode, prefill_passes = self.decode_mode
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         limit = HFLM.max_length.fget(self)  # the positions: prompt + continuation must fit them
@@ -361,9 +359,6 @@ def build_task_data(out_dir: str | None = None, seed: int = 0) -> dict[str, int]
     * ``shakespeare_ppl``: test = passages of the validation plays (for ``loglikelihood_rolling``).
     Returns the number of records per file.
     """
-    from ..data.corpus import embedded_corpus, split_documents
-    from .reasoning import arithmetic_problems, format_target
-
     out_dir = out_dir or _task_data_dir()
     os.makedirs(out_dir, exist_ok=True)
     train_docs, val_docs = split_documents(embedded_corpus(), 0.1, 0)
@@ -379,7 +374,6 @@ def build_task_data(out_dir: str | None = None, seed: int = 0) -> dict[str, int]
         "arithmetic.train": arith(20, seed + 1),
         "shakespeare_ppl.test": shakespeare_passages(val_docs),
     }
-    from ..utils.io import atomic_write_text
 
     for name, rows in files.items():
         atomic_write_text(os.path.join(out_dir, f"{name}.jsonl"),
@@ -409,8 +403,6 @@ def main(argv: list[str] | None = None) -> None:
     (lm-eval takes one folder; the package's task YAMLs can then be named by path).
     ``python -m fullband.lm_eval_adapter build-tasks [DIR]`` regenerates the shipped task data.
     """
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "build-tasks":
         print(json.dumps(build_task_data(args[1] if len(args) > 1 else None), indent=2))

@@ -26,12 +26,16 @@ import json
 import os
 import random
 import re
+import statistics
 import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import StoppingCriteria
 
+from ..model.configuration import has_feedback
+from ..model.generation import MODES, generate
+from ..model.modeling import max_positions
 from ..utils.stats import compare_paired
 
 ANSWER_MARKER = "####"
@@ -360,18 +364,10 @@ def trace_length(token_ids, decode, marker: str = ANSWER_MARKER, eos_token_id: i
 # ----------------------------------------------------------------------------------------------- decoding
 
 
-def _is_fullband(model) -> bool:
-    from ..model.generation import has_feedback
-
-    return has_feedback(model)
-
-
 def available_modes(model) -> tuple[str, ...]:
     """Decode modes this model supports: all of :data:`fullband.generation.MODES` for a fullband model,
     ``standard`` for a plain causal LM."""
-    from ..model.generation import MODES
-
-    return tuple(MODES) if _is_fullband(model) else ("standard",)
+    return tuple(MODES) if has_feedback(model) else ("standard",)
 
 
 def default_modes(model) -> list[str]:
@@ -404,19 +400,16 @@ def generate_completions(model, tokenizer, prompts: list[str], mode: str = "stan
     Decodes with :func:`fullband.generation.generate` (left-padded batches of ``batch_size``; ``prefill_passes``
     for ``fused``). New tokens are capped so that prompt + completion fit the backbone's positions.
     """
-    from ..model.generation import generate
-    from ..model.modeling import max_positions
-
     modes = available_modes(model)
     if mode not in modes:
-        kind = "this fullband model" if _is_fullband(model) else "a model without latent feedback"
+        kind = "this fullband model" if has_feedback(model) else "a model without latent feedback"
         raise ValueError(f"decode mode {mode!r} is not available for {kind}; available: {', '.join(modes)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    limit = max_positions(model.config.text_config if _is_fullband(model) else model.config)
+    limit = max_positions(model.config.text_config if has_feedback(model) else model.config)
     was_training = model.training
     model.eval()
     old_side = tokenizer.padding_side
@@ -489,8 +482,6 @@ def evaluate_reasoning(model, tokenizer, problems: list[Problem], mode: str = "s
 
 def summarize(records: list[dict]) -> dict:
     """Accuracy (strict and flexible), answer-marker rate and trace-length statistics of one run."""
-    import statistics
-
     n = len(records)
     if n == 0:
         raise ValueError("no records to summarize")
@@ -605,75 +596,3 @@ def run_reasoning(models: list[tuple[str, object, object]], problems: list[Probl
                 if r["mode"] in first:
                     add(first[r["mode"]], r)
     return {"runs": runs, "comparisons": comparisons, "notes": notes}
-
-
-def _progress_printer(message: str) -> None:
-    import sys
-
-    print(f"reason: {message}", file=sys.stderr, flush=True)
-
-
-def run(args) -> int:
-    from .scoring import load_any_model, write_report
-
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
-    problems = make_problems(args.task, args.num, args.seed, args.data)
-    shots = []
-    if args.shots:
-        if args.task == "gsm8k":
-            if not args.shots_data:
-                raise ValueError("few-shot gsm8k needs solved examples from another file: give --shots-data FILE")
-            shots = read_gsm8k(args.shots_data, limit=args.shots)
-        else:  # examples from a disjoint seed
-            shots = make_problems(args.task, args.shots, args.seed + 1_000_003)
-    models = []
-    for i, path in enumerate([args.model] + ([args.compare] if args.compare else [])):
-        model, tokenizer = load_any_model(path, device=args.device, dtype=args.dtype)
-        label = os.path.basename(os.path.normpath(path)) or path
-        models.append((label if not any(label == m[0] for m in models) else f"{label}#{i + 1}", model, tokenizer))
-    result = run_reasoning(models, problems, modes, args.max_new_tokens, not args.no_cot, shots, args.batch_size,
-                           args.seed, prefill_passes=args.prefill_passes, progress=_progress_printer)
-    if not result["runs"]:
-        raise ValueError("no run was possible: " + "; ".join(result["notes"]))
-    report = {
-        "config": {"task": args.task, "data": args.data, "num_problems": len(problems), "seed": args.seed,
-                   "cot": not args.no_cot, "shots": len(shots), "max_new_tokens": args.max_new_tokens,
-                   "prefill_passes": args.prefill_passes,
-                   "models": {name: os.path.abspath(p) for (name, _, _), p in
-                              zip(models, [args.model] + ([args.compare] if args.compare else []))}},
-        **result,
-    }
-    markdown = report_markdown(report)
-    print(markdown, end="")
-    if args.out:
-        json_path, md_path = write_report(report, markdown, args.out, "reason")
-        print(f"wrote {json_path} and {md_path}")
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "reason", help="generative reasoning accuracy and trace length per decode mode",
-        description="Greedy generation on multi-step reasoning problems (synthetic arithmetic, state tracking, "
-                    "or a GSM8K-format jsonl file), graded with math-verify; reports accuracy and the reasoning-"
-                    "trace length (tokens before '####') per decode mode, with paired statistics (exact McNemar, "
-                    "bootstrap CI of the length difference) between modes and between two models.")
-    p.add_argument("--model", required=True, help="model directory")
-    p.add_argument("--compare", default=None, help="a second model directory to compare with, mode by mode")
-    p.add_argument("--task", default="arithmetic", choices=list(TASKS))
-    p.add_argument("--data", default=None, help="GSM8K-format jsonl file (task gsm8k)")
-    p.add_argument("--num", type=int, default=100, help="number of problems (default 100; gsm8k: the first N)")
-    p.add_argument("--seed", type=int, default=0, help="problem seed, also the bootstrap seed")
-    p.add_argument("--modes", default=None,
-                   help="comma-separated decode modes (default: standard and the model's default feedback mode)")
-    p.add_argument("--no-cot", action="store_true", help="answer only, no chain of thought in the examples")
-    p.add_argument("--shots", type=int, default=0, help="solved examples before each question (default 0)")
-    p.add_argument("--shots-data", default=None, help="GSM8K-format file the gsm8k shots come from")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes over the prompt in 'fused' mode")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--out", default=None,
-                   help="write the report: a folder (reason.json + reason.md) or a path ending in .json")
-    p.set_defaults(func=run)

@@ -16,19 +16,36 @@ written atomically) and the ``fullband eval`` sub-command.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-MODES = ("standard", "passes", "exact")
-SCORING_MODES = ("standard", "passes", "exact", "soft", "fused")  # the decode modes plus teacher-forced K passes
+from ..data.corpus import load_documents, load_tokenizer, pack, split_documents, tokenize_documents
+from ..model.configuration import SCORING_MODES, has_feedback
+from ..model.generation import score
+from ..model.modeling import load_model
+from ..utils.io import atomic_write_text
+
+MODES = ("standard", "passes", "exact")  # the whole-row modes a report covers (soft / fused need a prompt)
 
 
-def _is_fullband(model) -> bool:
-    from ..model.modeling import FullBandwidthForCausalLM
-
-    return isinstance(model, FullBandwidthForCausalLM)
+@torch.no_grad()
+def mode_logits(model, ids: torch.Tensor, mode: str = "standard", num_passes: int = 2) -> torch.Tensor:
+    """Logits ``[B, T, V]`` of whole rows in a whole-row mode: ``standard`` (one plain pass), ``passes`` (the K-pass
+    teacher-forced forward) or ``exact`` (the token-by-token recurrence). A plain model allows ``standard`` only."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not a whole-row mode: choose one of {', '.join(MODES)}")
+    if mode != "standard" and not has_feedback(model):
+        raise ValueError(f"mode {mode!r} needs a fullband model (one with latent feedback); this one has none")
+    if mode == "exact":
+        return model.recurrent_forward(ids).logits
+    if has_feedback(model):
+        return model(ids, num_passes=num_passes if mode == "passes" else 1).logits
+    return model(input_ids=ids).logits
 
 
 @torch.no_grad()
@@ -46,24 +63,17 @@ def token_nll(model, ids: torch.Tensor, mode: str = "standard", num_passes: int 
     """
     if mode not in SCORING_MODES:
         raise ValueError(f"unknown scoring mode {mode!r}: choose one of {', '.join(SCORING_MODES)}")
-    if mode != "standard" and not _is_fullband(model):
+    if mode != "standard" and not has_feedback(model):
         raise ValueError(f"mode {mode!r} needs a fullband model (one with latent feedback); this one has none")
     start = max(1, prompt_length)
     if start >= ids.shape[1]:
         raise ValueError(f"prompt_length {prompt_length} leaves nothing to score in rows of {ids.shape[1]} tokens")
     if mode in ("soft", "fused"):
-        from ..model.generation import score
-
         if prompt_length < 1:
             raise ValueError(f"mode {mode!r} scores a continuation: give prompt_length >= 1")
         logp = score(model, ids[:, :start], ids[:, start:], mode=mode, prefill_passes=prefill_passes)
         return -logp.float()
-    if mode == "exact":
-        logits = model.recurrent_forward(ids).logits
-    elif _is_fullband(model):
-        logits = model(ids, num_passes=num_passes if mode == "passes" else 1).logits
-    else:
-        logits = model(input_ids=ids).logits
+    logits = mode_logits(model, ids, mode, num_passes)
     logits = logits[:, start - 1:-1].float()
     return F.cross_entropy(logits.flatten(0, 1), ids[:, start:].flatten(), reduction="none").view(ids.shape[0], -1)
 
@@ -78,8 +88,6 @@ def row_losses(model, rows: torch.Tensor, mode: str = "standard", num_passes: in
     device = next(model.parameters()).device
     starts = range(0, rows.shape[0], batch_size)
     if progress:
-        from tqdm.auto import tqdm
-
         starts = tqdm(starts, desc=f"eval {mode}", unit="batch", leave=False)
     out = []
     try:
@@ -121,9 +129,6 @@ def load_any_model(path: str, device: str | None = None, dtype: str | None = Non
 
     ``dtype`` is ``None`` (as saved), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     """
-    from ..data.corpus import load_tokenizer
-    from ..model.modeling import load_model
-
     kwargs = {}
     if dtype is not None:
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -147,8 +152,6 @@ def evaluation_rows(tokenizer, data: str | None = None, split: str = "val", seq_
     the documents: ``"val"`` (the validation documents, split exactly as ``fullband train`` splits them with the
     same ``seed`` and ``val_fraction``), ``"train"``, or ``"all"`` (every document, e.g. a separate held-out file).
     """
-    from ..data.corpus import load_documents, pack, split_documents, tokenize_documents
-
     if split not in ("val", "train", "all"):
         raise ValueError(f"unknown split {split!r}: choose val, train or all")
     docs = load_documents(data)
@@ -186,7 +189,7 @@ def evaluate_model(model, rows: torch.Tensor, passes=(2, 3, 4), exact: bool = Tr
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         rows = rows[:max_rows]
-    feedback = _is_fullband(model)
+    feedback = has_feedback(model)
     plan = [("standard", 1)]
     notes = []
     if feedback:
@@ -246,8 +249,6 @@ def report_markdown(report: dict) -> str:
 
 def report_paths(out: str, stem: str) -> tuple[str, str]:
     """``out`` ending in ``.json``: that file and the ``.md`` beside it; otherwise a folder with ``stem``.json/.md."""
-    import os
-
     if out.endswith(".json"):
         return out, out[: -len(".json")] + ".md"
     return os.path.join(out, f"{stem}.json"), os.path.join(out, f"{stem}.md")
@@ -255,25 +256,13 @@ def report_paths(out: str, stem: str) -> tuple[str, str]:
 
 def write_report(report: dict, markdown: str, out: str, stem: str) -> tuple[str, str]:
     """Write the JSON and the markdown report (each atomically); returns both paths."""
-    import json
-
-    from ..utils.io import atomic_write_text
-
     json_path, md_path = report_paths(out, stem)
     atomic_write_text(json_path, json.dumps(report, indent=2) + "\n")
     atomic_write_text(md_path, markdown)
     return json_path, md_path
 
 
-# ----------------------------------------------------------------------------------------------- CLI
-
-
-def parse_int_list(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
-    return values
+# ----------------------------------------------------------------------------------------------- evaluation text of a run
 
 
 TRAIN_RUN_CONFIG = "run_config.json"  # what `fullband train` writes beside the model it saves
@@ -283,9 +272,6 @@ def split_settings(model_dir: str, data=None, seed=None, val_fraction=None, seq_
     """The evaluation text's settings: the ones given, else those of the training run that saved ``model_dir``
     (its ``run_config.json``: data, seed, val_fraction, seq_len), else the training defaults (embedded corpus,
     seed 0, val fraction 0.1, 256 tokens). Returns the settings and the run config used (or ``None``)."""
-    import json
-    import os
-
     saved, source = {}, None
     path = os.path.join(model_dir, TRAIN_RUN_CONFIG)
     if os.path.isfile(path):
@@ -296,60 +282,3 @@ def split_settings(model_dir: str, data=None, seed=None, val_fraction=None, seq_
     defaults = {"data": None, "seed": 0, "val_fraction": 0.1, "seq_len": 256}
     settings = {k: given[k] if given[k] is not None else saved.get(k, defaults[k]) for k in given}
     return settings, source
-
-
-def run(args) -> int:
-    import os
-
-    passes = parse_int_list(args.passes, "--passes") if args.passes else []
-    if any(k < 1 for k in passes):
-        raise ValueError(f"--passes must be integers >= 1, got {args.passes!r}")
-    if args.max_rows is not None and args.max_rows < 1:
-        raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
-    settings, source = split_settings(args.model, args.data, args.seed, args.val_fraction, args.seq_len)
-    model, tokenizer = load_any_model(args.model, device=args.device, dtype=args.dtype)
-    rows, data_info = evaluation_rows(tokenizer, settings["data"], args.split, settings["seq_len"],
-                                      settings["val_fraction"], settings["seed"])
-    if source:
-        data_info["settings_from"] = source
-    report = evaluate_model(model, rows, passes=passes, exact=not args.no_exact, batch_size=args.batch_size,
-                            max_rows=args.max_rows, tokenizer=tokenizer, progress=args.progress)
-    report = {"model": os.path.abspath(args.model), "data": data_info, **report}
-    markdown = report_markdown(report)
-    print(markdown, end="")
-    if args.out:
-        json_path, md_path = write_report(report, markdown, args.out, "eval")
-        print(f"wrote {json_path} and {md_path}")
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "eval", help="held-out loss / perplexity per feedback mode",
-        description="Validation loss and perplexity of a saved model on held-out text: standard (K=1), the "
-                    "K-pass forward for each --passes K, and the exact token-by-token recurrence. By default the "
-                    "text is the validation documents split exactly as `fullband train` split them: its data, "
-                    "seed, validation fraction and row length are read from the run_config.json it saved beside "
-                    "the model (the embedded corpus, seed 0, 0.1 and 256 without one).")
-    p.add_argument("--model", required=True, help="model directory (fullband or plain Hugging Face causal LM)")
-    p.add_argument("--data", default=None,
-                   help="text file, folder, .jsonl or datasets directory (default: the training run's, else the "
-                        "embedded corpus)")
-    p.add_argument("--split", default="val", choices=["val", "train", "all"],
-                   help="which documents of --data to score (default: val, the training split's held-out part)")
-    p.add_argument("--seed", type=int, default=None, help="document-split seed (default: the training run's, else 0)")
-    p.add_argument("--val-fraction", type=float, default=None,
-                   help="validation fraction (default: the training run's, else 0.1)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per packed row (default: the training run's, "
-                                                             "else 256)")
-    p.add_argument("--max-rows", type=int, default=None, help="score only the first N rows (default: all)")
-    p.add_argument("--passes", default="2,3,4", help="K values for the multi-pass forward (default 2,3,4)")
-    p.add_argument("--no-exact", action="store_true", help="skip the (slow, token-by-token) exact recurrence")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="load the weights in this dtype (default: as saved)")
-    p.add_argument("--out", default=None,
-                   help="write the report: a folder (eval.json + eval.md) or a path ending in .json (+ .md beside it)")
-    p.add_argument("--progress", action="store_true", help="show a progress bar")
-    p.set_defaults(func=run)

@@ -11,7 +11,18 @@ from transformers.configuration_utils import SubConfigSpec
 
 from .feedback import check_fusion_name
 
+# the one mode vocabulary: how a model is run. Decode modes say how the prompt is treated before generation
+# (every generated token is fused in all but ``standard``); scoring adds ``passes`` (the K-pass teacher-forced
+# forward of training).
 DECODE_MODES = ("standard", "soft", "fused", "exact")
+FEEDBACK_MODES = tuple(m for m in DECODE_MODES if m != "standard")
+SCORING_MODES = ("standard", "passes", "exact", "soft", "fused")
+
+
+def has_feedback(model) -> bool:
+    """Whether ``model`` has latent feedback (a fullband model: a fusion module around a backbone) rather than being
+    a plain causal LM. The one test the package uses."""
+    return isinstance(getattr(model, "config", None), FullBandwidthConfig) and getattr(model, "feedback", None) is not None
 
 
 class FullBandwidthConfig(PretrainedConfig):

@@ -19,6 +19,7 @@ init); ``concat`` starts as the identity on ``e`` plus a small ``W h`` term and 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -209,3 +210,67 @@ def prefix_mixing_mask(doc_starts: torch.Tensor, probability: float,
     chosen = draws[0] < probability
     prefix = (draws[1] * seg_len).floor().long() + 1
     return chosen[seg] & (offset < prefix[seg])
+
+
+# ------------------------------------------------------------------------------------------------ gate table
+
+_GATE_TABLES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _weight_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
+
+
+def gate_table(fusion: GLUFusion, embedding: nn.Embedding, chunk: int = 4096) -> torch.Tensor:
+    """``sigmoid(W_G norm(E))`` for every vocabulary entry, ``[vocab, embed_dim]``, computed once and cached.
+
+    The cache is keyed on the identity, version counter, dtype and device of ``W_G`` and of the embedding matrix:
+    any in-place update (an optimizer step, ``load_state_dict``) or a move (``.to()``) rebuilds it on the next call;
+    :func:`clear_gate_table` drops it explicitly. Memory: one more ``vocab x embed_dim`` matrix in the weights'
+    dtype (the size of the embedding matrix). Built in chunks, under ``no_grad``.
+    """
+    key = (_weight_key(fusion.gate_proj.weight), _weight_key(embedding.weight))
+    hit = _GATE_TABLES.get(fusion)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    weight = embedding.weight
+    with torch.no_grad():
+        table = torch.empty(weight.shape[0], fusion.gate_proj.out_features, dtype=fusion.gate_proj.weight.dtype,
+                            device=weight.device)
+        for start in range(0, weight.shape[0], chunk):
+            table[start:start + chunk] = fusion.gate(weight[start:start + chunk])
+    _GATE_TABLES[fusion] = (key, table)
+    return table
+
+
+def clear_gate_table(model=None) -> None:
+    """Drop the cached gate table of ``model`` (of every model when ``None``)."""
+    if model is None:
+        _GATE_TABLES.clear()
+    else:
+        _GATE_TABLES.pop(getattr(model, "feedback", model), None)
+
+
+# ----------------------------------------------------------------------------------------------- positions
+
+
+def max_positions(config) -> int | None:
+    """The backbone's hard position limit, where its config states one."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions that skip padding (left padding starts at 0), for the last ``length`` columns of the mask."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp(min=0)[:, -length:]
+
+
+def positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """Position ids ``[batch, length]``: from the mask when there is one, else ``0..length-1``."""
+    if attention_mask is not None:
+        return position_ids_from_mask(attention_mask, length)
+    return torch.arange(length, device=device).expand(batch, length)

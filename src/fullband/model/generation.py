@@ -64,9 +64,6 @@ decoding pays off once training feeds back states of fused positions (K=3 above:
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -74,20 +71,17 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GenerationMixin, StaticCache
+from transformers import GenerationMixin
 
-from .configuration import DECODE_MODES
-from .feedback import GLUFusion, build_feedback_mask
+from .cache import FeedbackCache, FeedbackStateMixin, FeedbackStaticCache
+from .configuration import DECODE_MODES, has_feedback
+from .feedback import max_positions
+from .feedback import positions as position_ids_for
+from .outputs import FullBandwidthOutput
 
 MODES = DECODE_MODES  # ("standard", "soft", "fused", "exact"), one list with the config's validation
-FEEDBACK_MODES = tuple(m for m in MODES if m != "standard")
 
 # ------------------------------------------------------------------------------------------------ modes
-
-
-def has_feedback(model) -> bool:
-    """Whether ``model`` is a fullband model (a fusion module around a backbone) rather than a plain causal LM."""
-    return getattr(model, "feedback", None) is not None and getattr(model, "backbone", None) is not None
 
 
 def resolve_mode(model, mode: str | None) -> str:
@@ -111,8 +105,6 @@ def _check_prefill_passes(prefill_passes) -> int:
 
 
 def _check_length(model, prompt_length: int, max_new_tokens: int) -> None:
-    from .modeling import max_positions
-
     config = model.config.text_config if has_feedback(model) else model.config
     limit = max_positions(config)
     if limit is not None and prompt_length + max_new_tokens > limit:
@@ -120,121 +112,7 @@ def _check_length(model, prompt_length: int, max_new_tokens: int) -> None:
                          f"backbone's {limit} positions; shorten the prompt or lower max_new_tokens")
 
 
-# ------------------------------------------------------------------------------------------------ cache
-
-
-class FeedbackStateMixin:
-    """Adds the fed-back state to a KV cache: ``feedback_state`` ``[batch, hidden]`` is the final hidden state of the
-    last cached position of each row. Beam reordering, batch expansion and selection move it with the KV entries;
-    cropping one step restores the previous state (kept for that), cropping further forgets it."""
-
-    feedback_state: torch.Tensor | None = None
-    _previous_state: torch.Tensor | None = None
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self._previous_state = self.feedback_state
-        self.feedback_state = state
-
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        super().reorder_cache(beam_idx)
-        if self.feedback_state is not None:
-            self.feedback_state = self.feedback_state.index_select(0, beam_idx.to(self.feedback_state.device))
-        self._previous_state = None
-
-    def batch_repeat_interleave(self, repeats: int):
-        super().batch_repeat_interleave(repeats)
-        if self.feedback_state is not None:
-            self.feedback_state = self.feedback_state.repeat_interleave(repeats, dim=0)
-        self._previous_state = None
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        super().batch_select_indices(indices)
-        if self.feedback_state is not None:
-            self.feedback_state = self.feedback_state[indices.to(self.feedback_state.device)]
-        self._previous_state = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        before = int(self.get_seq_length())
-        super().crop(tokens_to_remove)
-        removed = before - int(self.get_seq_length())
-        if removed == 1 and self._previous_state is not None:
-            self.feedback_state, self._previous_state = self._previous_state, None
-        elif removed:
-            self.feedback_state = self._previous_state = None
-
-    def reset(self):
-        super().reset()
-        self.feedback_state = self._previous_state = None
-
-
-class FeedbackCache(FeedbackStateMixin, DynamicCache):
-    """A ``DynamicCache`` that also carries the fed-back state (see :class:`FeedbackStateMixin`)."""
-
-
-class FeedbackStaticCache(FeedbackStateMixin, StaticCache):
-    """A preallocated ``StaticCache`` that also carries the fed-back state (see :class:`FeedbackStateMixin`)."""
-
-
-def cache_bytes(cache) -> dict:
-    """Bytes held by a cache: ``kv`` (keys and values of all layers) and ``state`` (the fed-back state)."""
-    kv = 0
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                kv += t.numel() * t.element_size()
-    state = getattr(cache, "feedback_state", None)
-    return {"kv": kv, "state": state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0}
-
-
-# ------------------------------------------------------------------------------------------------ gate table
-
-_GATE_TABLES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
-
-
-def _weight_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
-
-
-def gate_table(fusion: GLUFusion, embedding: nn.Embedding, chunk: int = 4096) -> torch.Tensor:
-    """``sigmoid(W_G norm(E))`` for every vocabulary entry, ``[vocab, embed_dim]``, computed once and cached.
-
-    The cache is keyed on the identity, version counter, dtype and device of ``W_G`` and of the embedding matrix:
-    any in-place update (an optimizer step, ``load_state_dict``) or a move (``.to()``) rebuilds it on the next call;
-    :func:`clear_gate_table` drops it explicitly. Memory: one more ``vocab x embed_dim`` matrix in the weights'
-    dtype (the size of the embedding matrix). Built in chunks, under ``no_grad``.
-    """
-    key = (_weight_key(fusion.gate_proj.weight), _weight_key(embedding.weight))
-    hit = _GATE_TABLES.get(fusion)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    weight = embedding.weight
-    with torch.no_grad():
-        table = torch.empty(weight.shape[0], fusion.gate_proj.out_features, dtype=fusion.gate_proj.weight.dtype,
-                            device=weight.device)
-        for start in range(0, weight.shape[0], chunk):
-            table[start:start + chunk] = fusion.gate(weight[start:start + chunk])
-    _GATE_TABLES[fusion] = (key, table)
-    return table
-
-
-def clear_gate_table(model=None) -> None:
-    """Drop the cached gate table of ``model`` (of every model when ``None``)."""
-    if model is None:
-        _GATE_TABLES.clear()
-    else:
-        _GATE_TABLES.pop(getattr(model, "feedback", model), None)
-
-
 # ------------------------------------------------------------------------------------------------ prefill (HF path)
-
-
-def _positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    from .modeling import position_ids_from_mask
-
-    if attention_mask is not None:
-        return position_ids_from_mask(attention_mask, length)
-    return torch.arange(length, device=device).expand(batch, length)
 
 
 def prefill_forward(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
@@ -244,29 +122,15 @@ def prefill_forward(model, input_ids: torch.LongTensor, attention_mask: torch.Te
     Returns a :class:`~fullband.FullBandwidthOutput` with the last position's logits ``[B, 1, V]`` and final hidden
     state ``[B, 1, d]`` (the state the first generated token is fused with), and the cache.
     """
-    from .modeling import FullBandwidthOutput
-
     if mode in ("standard", "soft", "fused"):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                     use_cache=True, num_passes=1 + prefill_passes if mode == "fused" else 1, logits_to_keep=1)
-        return FullBandwidthOutput(logits=out.logits[:, -1:], last_hidden_state=out.last_hidden_state[:, -1:],
-                                   cache=out.cache)
-    if mode != "exact":
+    elif mode == "exact":
+        out = model.recurrent_forward(input_ids, attention_mask, position_ids=position_ids, cache=cache)
+    else:
         raise ValueError(f"unknown decode mode {mode!r}")
-    B, P = input_ids.shape
-    feedback_mask = build_feedback_mask(input_ids, attention_mask, model.doc_start_token_id)
-    if position_ids is None:
-        position_ids = _positions(attention_mask, B, P, input_ids.device)
-    position_ids = position_ids.expand(B, -1)
-    prev, out = None, None
-    for t in range(P):
-        out = model(input_ids=input_ids[:, t:t + 1],
-                    attention_mask=attention_mask[:, :t + 1] if attention_mask is not None else None,
-                    position_ids=position_ids[:, t:t + 1], prev_hidden=prev, feedback_mask=feedback_mask[:, t:t + 1],
-                    cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.cache
-        prev = out.last_hidden_state[:, -1]
-    return FullBandwidthOutput(logits=out.logits[:, -1:], last_hidden_state=out.last_hidden_state[:, -1:], cache=cache)
+    return FullBandwidthOutput(logits=out.logits[:, -1:], last_hidden_state=out.last_hidden_state[:, -1:],
+                               cache=out.cache)
 
 
 # ------------------------------------------------------------------------------------------------ HF generate() glue
@@ -380,8 +244,6 @@ class _Runner:
         self.base = getattr(self.backbone, "base_model", None)
         self.fusion = model.feedback if self.fullband else None
         self.doc_start = model.config.doc_start_token_id if self.fullband else None
-        self.table = (gate_table(self.fusion, self.embed)
-                      if mode != "standard" and isinstance(self.fusion, GLUFusion) else None)
         self.fast = self._fast_path_ok()
 
     def _fast_path_ok(self) -> bool:
@@ -412,20 +274,13 @@ class _Runner:
                             logits_to_keep=1)
         return out.logits[:, -1], out.hidden_states[-1][:, -1]
 
-    def fuse(self, state: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor,
-             allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Input of tokens ``[B]`` that follow ``state`` ``[B, d]``: fused, except at document starts and where
-        ``allowed`` is False."""
-        if self.table is not None:
-            fused = self.fusion.fuse_gated(state, self.table[tokens], embeds)
-        else:
-            fused = self.fusion(state, embeds)
-        keep = allowed
-        if self.doc_start is not None:
-            not_start = tokens != self.doc_start
-            keep = not_start if keep is None else keep & not_start
-        fused = fused.to(embeds.dtype)
-        return fused if keep is None else torch.where(keep.unsqueeze(-1), fused, embeds)
+    def fuse(self, state: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Input of tokens ``[B]`` that follow ``state`` ``[B, d]``: fused (the model's own fusion, through its gate
+        table), except at document starts."""
+        fused = self.model.fuse(state, tokens, embeds).to(embeds.dtype)
+        if self.doc_start is None:
+            return fused
+        return torch.where((tokens != self.doc_start).unsqueeze(-1), fused, embeds)
 
     def step(self, tokens, state, attention_mask, position_ids, cache):
         """One decode step for the new ``tokens`` ``[B]`` that follow ``state``: (logits [B, V], new state)."""
@@ -441,15 +296,8 @@ class _Runner:
                              cache=cache, use_cache=True, num_passes=1 + self.prefill_passes, logits_to_keep=1)
             return out.logits[:, -1], out.last_hidden_state[:, -1]
         if self.mode == "exact":
-            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start)
-            embeds = self.embed(input_ids)
-            state = logits = None
-            for t in range(P):
-                e = embeds[:, t]
-                u = e if t == 0 else self.fuse(state, input_ids[:, t], e, feedback_mask[:, t])
-                logits, state = self.forward(None, u[:, None], attention_mask[:, :t + 1] if attention_mask is not None
-                                             else None, position_ids[:, t:t + 1], cache)
-            return logits, state
+            out = self.model.recurrent_forward(input_ids, attention_mask, position_ids=position_ids, cache=cache)
+            return out.logits[:, -1], out.last_hidden_state[:, -1]
         return self.forward(input_ids, None, attention_mask, position_ids, cache)
 
 
@@ -538,7 +386,7 @@ def _run(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_pass
     runner = _Runner(model, mode, prefill_passes)
     N = max_new_tokens
     if attention_mask is not None:
-        prompt_pos = _positions(attention_mask, B, P, device)
+        prompt_pos = position_ids_for(attention_mask, B, P, device)
         positions = torch.cat([prompt_pos, prompt_pos[:, -1:] + 1 + torch.arange(N, device=device)], dim=1)
         full_mask = torch.cat([attention_mask, attention_mask.new_ones(B, N)], dim=1)
     else:
@@ -677,84 +525,3 @@ def score(model, input_ids: torch.LongTensor, continuation_ids: torch.LongTensor
                eos_token_id=None, pad_token_id=None, stopping=None, streamer=None,
                cache_implementation=cache_implementation, output_logits=False, forced=continuation_ids)
     return res.logits.log_softmax(-1).gather(-1, continuation_ids.unsqueeze(-1)).squeeze(-1)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def _run_cli(args) -> int:
-    from transformers import AutoTokenizer, StopStringCriteria, TextStreamer
-    from transformers.utils import logging as hf_logging
-
-    from ..utils.errors import UsageError
-    from .modeling import load_model
-
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be >= 1")
-    if not os.path.isdir(args.model):
-        raise FileNotFoundError(f"model directory {args.model!r} does not exist")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-    if not any(os.path.isfile(os.path.join(args.model, name)) for name in tokenizer_files):
-        raise FileNotFoundError(f"no tokenizer saved with the model in {args.model!r} (save one there with "
-                                "tokenizer.save_pretrained)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise FileNotFoundError(f"cannot load the tokenizer saved in {args.model!r}: {first}") from None
-    hf_logging.disable_progress_bar()
-    model = load_model(args.model)
-    device = torch.device(args.device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = model.to(device=device, dtype=dtype).eval()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    enc = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=not args.no_special_tokens)
-    input_ids = enc["input_ids"].to(device)
-    if input_ids.shape[1] == 0:
-        bos = model.config.doc_start_token_id
-        if bos is None:
-            raise UsageError("the prompt is empty and the model has no BOS token")
-        input_ids = torch.tensor([[bos]], device=device)
-    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
-    stopping = StopStringCriteria(tokenizer, args.stop) if args.stop else None
-    generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
-    res = generate(model, input_ids, mode=args.mode, max_new_tokens=args.max_new_tokens,
-                   prefill_passes=args.prefill_passes, do_sample=args.temperature > 0,
-                   temperature=args.temperature if args.temperature > 0 else 1.0, top_k=args.top_k,
-                   top_p=args.top_p, generator=generator, eos_token_id=eos, ignore_eos=args.ignore_eos,
-                   stopping=stopping, streamer=streamer)
-    if streamer is None:
-        print(tokenizer.decode(res.sequences[0], skip_special_tokens=True))
-    n = res.num_new_tokens
-    rate = n / res.decode_seconds if res.decode_seconds > 0 else float("inf")
-    print(f"[{res.mode}: {n} new tokens, prefill {res.prefill_seconds * 1e3:.1f} ms, {rate:.1f} tokens/s]",
-          file=sys.stderr)
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a saved fullband model (streams tokens)",
-                       description="Generate a continuation of --prompt with a saved fullband model, streaming "
-                                   "tokens as they come. Decode modes: " + ", ".join(MODES) + ".",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory (save_pretrained output, with its tokenizer)")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--mode", choices=MODES, default=None,
-                   help="decode mode (default: the model's config.default_feedback_mode)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes over the prompt in 'fused' mode")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop when this text has been generated (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    p.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to the prompt")
-    p.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
-    p.set_defaults(func=_run_cli)

@@ -11,53 +11,37 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import fields
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.utils import ModelOutput
 
 from .configuration import FullBandwidthConfig
-from .feedback import build_feedback_mask, build_fusion, fuse_where, jitter, shift_right
+from .feedback import (
+    GLUFusion,
+    build_feedback_mask,
+    build_fusion,
+    fuse_where,
+    gate_table,
+    jitter,
+    max_positions,
+    position_ids_from_mask,
+    positions,
+    shift_right,
+)
 from .generation import FeedbackGenerationMixin
 from .objective import combine_pass_losses
+from .outputs import FullBandwidthOutput
 
-
-@dataclass
-class FullBandwidthOutput(ModelOutput):
-    """Output of a K-pass forward.
-
-    ``loss`` = ``L_1 + λ·mean(L_2..L_K)``; ``logits`` and ``last_hidden_state`` (the final hidden states, the
-    ones the LM head reads) are the last pass's; ``pass_losses`` holds the K per-pass losses (detached).
-    """
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    pass_losses: torch.Tensor | None = None
-    last_hidden_state: torch.Tensor | None = None
-    cache: Cache | None = None
+StateHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def embedding_rms(embeddings) -> float:
     """RMS of an embedding matrix: the scale the fused input is initialised to."""
     return float(embeddings.weight.detach().float().pow(2).mean().sqrt())
-
-
-def max_positions(config) -> int | None:
-    """The backbone's hard position limit, where its config states one."""
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """Positions that skip padding (left padding starts at 0), for the last ``length`` columns of the mask."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp(min=0)[:, -length:]
 
 
 class FullBandwidthPreTrainedModel(PreTrainedModel):
@@ -191,12 +175,24 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
 
     # ------------------------------------------------------------------ forward
 
+    def fuse(self, state: torch.Tensor, input_ids: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """``fusion(state, e)`` for tokens ``input_ids`` with embeddings ``token_embeds`` (any leading shape).
+
+        At inference (no gradient, eval mode) the GLU-family gate ``sigmoid(W_G norm(e))``, a function of the token
+        alone, is looked up in the precomputed per-vocabulary table (:func:`fullband.model.feedback.gate_table`), as
+        HF ``generate()``, the lean decode loop, evaluation and the recurrence all run it; in training it is
+        computed."""
+        if not self.training and not torch.is_grad_enabled() and isinstance(self.feedback, GLUFusion):
+            table = gate_table(self.feedback, self.get_input_embeddings())
+            return self.feedback.fuse_gated(state.to(token_embeds.dtype), table[input_ids], token_embeds)
+        return self.feedback(state, token_embeds)
+
     def _backbone_pass(self, inputs_embeds, attention_mask, position_ids, cache=None, use_cache=False,
-                       logits_to_keep=0, **kwargs):
+                       logits_to_keep=0, output_hidden_states=False, **kwargs):
         out = self.backbone(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                             cache=cache, use_cache=use_cache, output_hidden_states=True,
                             logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-        return out.logits, out.hidden_states[-1], out.cache
+        return out.logits, out.hidden_states[-1], out.cache, (out.hidden_states if output_hidden_states else None)
 
     def _pass_loss(self, logits, labels, **kwargs):
         return self.backbone.loss_function(logits=logits, labels=labels,
@@ -208,16 +204,17 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 prev_hidden: torch.Tensor | None = None, cache: Cache | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0,
                 num_items_in_batch: torch.Tensor | None = None, feedback_weight: float | None = None,
-                **kwargs) -> FullBandwidthOutput:
-        """K-pass teacher-forced forward.
+                state_hook: StateHook | None = None, **kwargs) -> FullBandwidthOutput:
+        """K-pass teacher-forced forward: the one place the K passes are written.
 
         Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
         the position just before ``input_ids``, is given); pass k > 1 feeds pass k-1's final hidden states
-        shifted right by one wherever ``feedback_mask`` is True (default: :func:`fullband.feedback.build_feedback_mask`).
+        shifted right by one wherever ``feedback_mask`` is True (default: :func:`fullband.model.feedback.build_feedback_mask`).
         In training mode the fed-back state gets the jitter of ``config.jitter`` and, with
         ``config.detach_state``, no gradient. A ``cache`` is filled by the last pass only and must then be empty
         when ``num_passes > 1``. ``feedback_weight`` overrides ``config.feedback_weight`` (λ) for this call (the
-        training loop ramps it at the feedback switch-on).
+        training loop ramps it at the feedback switch-on). ``state_hook(k, state)`` (analysis interventions) may
+        replace the shifted state ``[B, T, d]`` fed to pass ``k + 1`` (k = 1..K-1) before it is fused.
         """
         kwargs.pop("return_dict", None)
         kwargs.pop("output_hidden_states", None)
@@ -226,11 +223,11 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         self.check_inputs(input_ids, attention_mask, labels, feedback_mask, num_passes, past_length)
         if num_passes > 1 and past_length:
             raise ValueError("num_passes > 1 needs an empty cache: every pass re-reads the whole sequence")
-        B, T = input_ids.shape
         if feedback_mask is None:
             feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id,
                                                 has_prev_state=prev_hidden is not None)
         feedback_mask = feedback_mask.bool()
+        T = input_ids.shape[1]
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask, T)
         if labels is not None and attention_mask is not None:
@@ -252,6 +249,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 state = shift_right(hidden)
                 if prev_hidden is not None:
                     state[:, 0] = prev_hidden
+                if state_hook is not None:
+                    state = state_hook(k, state)
                 pass_mask = feedback_mask
             if state is None:
                 inputs = token_embeds
@@ -260,12 +259,12 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                     state = jitter(state, self.config.jitter)
                 if self.config.detach_state:
                     state = state.detach()
-                inputs = fuse_where(pass_mask, self.feedback(state, token_embeds), token_embeds)
+                inputs = fuse_where(pass_mask, self.fuse(state, input_ids, token_embeds), token_embeds)
             keep = logits_to_keep if (last or labels is not None) else 1
-            logits, hidden, step_cache = self._backbone_pass(inputs, attention_mask, position_ids,
-                                                             cache=cache if last else None,
-                                                             use_cache=bool(use_cache) and last,
-                                                             logits_to_keep=keep, **kwargs)
+            logits, hidden, step_cache, _ = self._backbone_pass(inputs, attention_mask, position_ids,
+                                                                cache=cache if last else None,
+                                                                use_cache=bool(use_cache) and last,
+                                                                logits_to_keep=keep, **kwargs)
             if last:
                 out_cache = step_cache
             if labels is not None:
@@ -281,33 +280,48 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
 
     @torch.no_grad()
     def recurrent_forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                          feedback_mask: torch.Tensor | None = None,
-                          position_ids: torch.LongTensor | None = None) -> FullBandwidthOutput:
-        """The true token-by-token recurrence with the backbone's KV cache: position t takes
-        ``fusion(h_{t-1}, e_t)`` wherever the feedback mask allows (the plain embedding elsewhere), where
+                          feedback_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+                          *, cache: Cache | None = None, state_hook: StateHook | None = None,
+                          output_hidden_states: bool = False) -> FullBandwidthOutput:
+        """The true token-by-token recurrence with the backbone's KV cache -- the one place it is written: position
+        t takes ``fusion(h_{t-1}, e_t)`` wherever the feedback mask allows (the plain embedding elsewhere), where
         ``h_{t-1}`` is the final hidden state this very recurrence produced one step earlier.
-        Returns logits ``[B, T, V]`` and ``last_hidden_state`` ``[B, T, d]``. No jitter, no gradient."""
+
+        ``cache`` (empty) is filled and returned (decoding's ``exact`` prefill continues from it); ``state_hook(t,
+        h_prev)`` may replace the state fused at step t (analysis interventions); ``output_hidden_states`` also
+        returns every layer's residual stream. Returns logits ``[B, T, V]``, ``last_hidden_state`` ``[B, T, d]``
+        and ``inputs_embeds`` (what entered the backbone). No jitter, no gradient."""
         self.check_inputs(input_ids, attention_mask, None, feedback_mask)
         B, T = input_ids.shape
         if feedback_mask is None:
             feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id)
-        feedback_mask = feedback_mask.bool()
+        feedback_mask = feedback_mask.bool().to(input_ids.device)
         if position_ids is None:
-            position_ids = (position_ids_from_mask(attention_mask, T) if attention_mask is not None
-                            else torch.arange(T, device=input_ids.device).expand(B, T))
+            position_ids = positions(attention_mask, B, T, input_ids.device)
+        position_ids = position_ids.expand(B, -1)
         token_embeds = self.get_input_embeddings()(input_ids)
-        cache = DynamicCache(config=self.backbone.config)
-        all_logits, all_hidden, prev = [], [], None
+        if cache is None:
+            cache = DynamicCache(config=self.backbone.config)
+        all_logits, all_hidden, inputs, layers, prev = [], [], [], None, None
         for t in range(T):
             inp = token_embeds[:, t:t + 1]
             if prev is not None:
-                inp = fuse_where(feedback_mask[:, t:t + 1], self.feedback(prev, inp), inp)
-            logits, prev, cache = self._backbone_pass(
+                state = state_hook(t, prev) if state_hook is not None else prev
+                inp = fuse_where(feedback_mask[:, t:t + 1], self.fuse(state, input_ids[:, t:t + 1], inp), inp)
+            logits, prev, cache, hs = self._backbone_pass(
                 inp, attention_mask[:, :t + 1] if attention_mask is not None else None,
-                position_ids[:, t:t + 1], cache=cache, use_cache=True)
+                position_ids[:, t:t + 1], cache=cache, use_cache=True, output_hidden_states=output_hidden_states)
             all_logits.append(logits)
             all_hidden.append(prev)
-        return FullBandwidthOutput(logits=torch.cat(all_logits, 1), last_hidden_state=torch.cat(all_hidden, 1))
+            inputs.append(inp)
+            if hs is not None:
+                layers = [[] for _ in hs] if layers is None else layers
+                for store, h in zip(layers, hs):
+                    store.append(h)
+        return FullBandwidthOutput(
+            logits=torch.cat(all_logits, 1), last_hidden_state=torch.cat(all_hidden, 1), cache=cache,
+            inputs_embeds=torch.cat(inputs, 1),
+            hidden_states=tuple(torch.cat(store, 1) for store in layers) if layers is not None else None)
 
 
 def load_model(path: str, **kwargs):

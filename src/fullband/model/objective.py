@@ -1,14 +1,10 @@
-"""The multi-pass training objective and its schedule.
+"""The multi-pass training objective.
 
-Owns how the K per-pass language-model losses are combined (``L_1 + λ · mean(L_2..L_K)``) and which K a
-training step uses (:class:`FeedbackSchedule`: plain before a start fraction, then ``num_passes``, with a
-deterministic ``deep_fraction`` of the steps using ``deep_passes``).
+Owns how the K per-pass language-model losses are combined (``L_1 + λ · mean(L_2..L_K)``). Which K a training
+step uses lives with the other step-indexed schedules in :mod:`fullband.training.schedule`.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -19,86 +15,3 @@ def combine_pass_losses(pass_losses: list[torch.Tensor] | torch.Tensor, feedback
     if len(rest) == 0:
         return first
     return first + feedback_weight * torch.stack(list(rest)).mean()
-
-
-@dataclass(frozen=True)
-class FeedbackSchedule:
-    """Which number of passes K a training step uses.
-
-    * steps before ``ceil(start_fraction · total_steps)`` use K = 1 (ordinary pre-training);
-    * from then on K = ``num_passes``, except that a ``deep_fraction`` of those steps use ``deep_passes``.
-      The deep steps are spread evenly and chosen from the step index alone (step i after the start is deep
-      when ``floor((i+1)·f) > floor(i·f)``), so a resumed run makes exactly the same choices.
-    """
-
-    start_fraction: float = 0.75
-    num_passes: int = 2
-    deep_passes: int = 4
-    deep_fraction: float = 0.1
-
-    def __post_init__(self):
-        if not 0.0 <= self.start_fraction <= 1.0:
-            raise ValueError(f"start_fraction must be in [0, 1], got {self.start_fraction}")
-        if not isinstance(self.num_passes, int) or self.num_passes < 1:
-            raise ValueError(f"num_passes must be an integer >= 1, got {self.num_passes!r}")
-        if not isinstance(self.deep_passes, int) or self.deep_passes < 1:
-            raise ValueError(f"deep_passes must be an integer >= 1, got {self.deep_passes!r}")
-        if not 0.0 <= self.deep_fraction <= 1.0:
-            raise ValueError(f"deep_fraction must be in [0, 1], got {self.deep_fraction}")
-
-    def start_step(self, total_steps: int) -> int:
-        return math.ceil(self.start_fraction * total_steps)
-
-    def passes_at(self, step: int, total_steps: int) -> int:
-        """K for 0-based ``step`` of a run of ``total_steps`` steps."""
-        if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-        if not 0 <= step < total_steps:
-            raise ValueError(f"step must be in [0, {total_steps}), got {step}")
-        start = self.start_step(total_steps)
-        if step < start:
-            return 1
-        i = step - start
-        if self.deep_fraction > 0 and math.floor((i + 1) * self.deep_fraction) > math.floor(i * self.deep_fraction):
-            return self.deep_passes
-        return self.num_passes
-
-    __call__ = passes_at
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SwitchOn:
-    """How feedback switches on: fractions of the feedback phase (the steps from the feedback start to the end).
-
-    * ``feedback_ramp``: λ ramps linearly from 0 to its value over this fraction (the pass-2..K losses enter
-      gradually instead of at full weight on a random fusion);
-    * ``fusion_warmup``: the fusion's learning rate warms up linearly from 0 over this fraction;
-    * ``fusion_only``: during this first fraction only the fusion trains; the backbone gets no update.
-
-    All three are functions of the step index alone, so a resumed run makes the same choices.
-    """
-
-    feedback_ramp: float = 0.0
-    fusion_warmup: float = 0.0
-    fusion_only: float = 0.0
-
-    @staticmethod
-    def _progress(step: int, start: int, total_steps: int, fraction: float) -> float:
-        if fraction <= 0 or step < start:
-            return 1.0 if step >= start else 0.0
-        span = max(1, round(fraction * (total_steps - start)))
-        return min(1.0, (step - start + 1) / span)
-
-    def feedback_weight_factor(self, step: int, start: int, total_steps: int) -> float:
-        return self._progress(step, start, total_steps, self.feedback_ramp)
-
-    def fusion_lr_factor(self, step: int, start: int, total_steps: int) -> float:
-        return self._progress(step, start, total_steps, self.fusion_warmup)
-
-    def backbone_frozen(self, step: int, start: int, total_steps: int) -> bool:
-        if self.fusion_only <= 0 or step < start:
-            return False
-        return step - start < round(self.fusion_only * (total_steps - start))

@@ -4,18 +4,21 @@ The same command runs single-process or under ``torchrun --nproc_per_node N``: :
 torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``) and starts a process group (gloo on CPU, nccl on
 CUDA). :func:`wrap_model` wraps with ``DistributedDataParallel`` or, for large models, FSDP2 (``fully_shard`` on
 every decoder layer, then the root). Checkpoints always hold full (unsharded) tensors, so a run can resume with
-another parallelism.
+another parallelism. (The FSDP2 and distributed-checkpoint modules are imported where used: only sharded runs need
+them.)
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 PARALLEL_MODES = ("ddp", "fsdp")
 
@@ -127,10 +130,6 @@ def wrap_model(model: nn.Module, env: DistEnv, mode: str = "ddp") -> nn.Module:
     if not env.distributed:
         return model
     if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        import warnings
-
         # K = 1 steps leave the fusion unused, K > 1 steps use everything; DDP warns about the latter
         warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified.*")
         ids = [env.device.index] if env.device.type == "cuda" else None
@@ -229,6 +228,14 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     if is_sharded(unwrap(model)):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
+        # strict=False: parameters never stepped yet (the fusion before feedback starts) have no saved state;
+        # torch initialises every parameter's state first (a zero-LR step), so drop what the checkpoint lacks:
+        # a resumed run must start those parameters' AdamW state afresh, as the uninterrupted run does
+        set_optimizer_state_dict(unwrap(model), optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        saved = set(state.get("state", {}))
+        names = {p: n for n, p in unwrap(model).named_parameters()}
+        for p in [p for p in optimizer.state if names.get(p) not in saved]:
+            del optimizer.state[p]
         return
     optimizer.load_state_dict(state)

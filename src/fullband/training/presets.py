@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from transformers import LlamaConfig
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -49,8 +51,6 @@ def get_preset(name: str) -> Preset:
 def backbone_config(name: str, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: int | None = None,
                     pad_token_id: int | None = None, max_position_embeddings: int = 2048):
     """The ``LlamaConfig`` of preset ``name`` for a tokenizer of ``vocab_size`` entries."""
-    from transformers import LlamaConfig
-
     p = get_preset(name)
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")

@@ -21,6 +21,8 @@ import os
 import shutil
 import tempfile
 
+import torch
+
 
 def fsync_dir(path: str) -> None:
     """Make a rename inside ``path`` durable (no-op where directories cannot be opened, e.g. Windows)."""
@@ -75,8 +77,6 @@ def atomic_write_json(path: str, obj, indent: int | None = 2) -> None:
 
 
 def atomic_torch_save(obj, path: str) -> None:
-    import torch
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write_bytes(path, buf.getvalue())

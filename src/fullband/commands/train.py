@@ -1,0 +1,117 @@
+"""``fullband train``: the command line of pre-training (:mod:`fullband.training.pretrain`).
+
+Owns the ``train`` sub-command: one flag per :class:`fullband.training.config.TrainConfig` field
+(:func:`add_config_arguments`, shared with ``fullband sft``), ``--config FILE`` (YAML/TOML), ``--resume`` (the
+checkpoint's saved options apply unless overridden: :func:`config_from_args`) and ``--overwrite``; the exit code
+(3 when the stability guard stopped the run) and the one-line result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from ..training.checkpoint import CKPT_DIR, find_checkpoint, load_trainer_state
+from ..training.config import TrainConfig, flag_name, make_config, option_names, read_config_file, saved_options
+from ..training.device import tune_cpu_allocator
+from ..training.engine import EXIT_STOPPED
+from ..training.pretrain import train
+
+GROUP_TITLES = {"run": "run", "data": "data", "model": "model", "optim": "optimisation", "feedback": "feedback schedule",
+                "guard": "stability guard", "log": "evaluation and logging", "hw": "hardware"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a full-bandwidth model (from scratch or --init-from a checkpoint)",
+        description="Train a full-bandwidth transformer. Runs as it is on one process, or under "
+                    "`torchrun --nproc_per_node N fullband train ...` with DDP (gloo on CPU, nccl on GPU). "
+                    "Per-step metrics go to OUT/metrics.jsonl; the final model and tokenizer to OUT.")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML or TOML file of options (keys as the flags, dashes or underscores); flags given on "
+                        "the command line win")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint (its saved options apply unless "
+                        "overridden; changing the trajectory is refused)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that already holds a run (removes its checkpoints, metrics and model)")
+    add_config_arguments(p, TrainConfig)
+    p.set_defaults(func=run_cli)
+
+
+def add_config_arguments(p, cls=TrainConfig) -> None:
+    """One flag per option of ``cls`` (not its ``skip_options``), default SUPPRESS (so only given flags override
+    file / checkpoint values)."""
+    defaults = cls()
+    groups = {}
+    for f in dataclasses.fields(cls):
+        if f.name in cls.skip_options:
+            continue
+        meta = f.metadata
+        flag = "--" + flag_name(f.name)
+        if meta.get("hidden"):
+            if f.name == "debug_nan_steps":
+                p.add_argument(flag, type=lambda s: [int(x) for x in s.split(",") if x], default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+            else:
+                p.add_argument(flag, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            continue
+        group = meta.get("group", "run")
+        if group not in groups:
+            groups[group] = p.add_argument_group(GROUP_TITLES.get(group, group))
+        g = groups[group]
+        default = getattr(defaults, f.name)
+        help_text = meta["help"] + (f" (default: {default})" if default not in (None, "") else "")
+        t = str(f.type)
+        if t.startswith("bool"):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            typ = int if t.startswith("int") else float if t.startswith("float") else str
+            metavar = {"int": "N", "float": "X", "str": "S"}[typ.__name__]
+            if f.name in ("out", "init_from", "tokenizer"):
+                metavar = "DIR"
+            g.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=metavar, help=help_text)
+
+
+def config_from_args(args, resume: bool, cls=TrainConfig):
+    """``(config, explicit options)``: defaults < the resumed checkpoint's options < ``--config`` < flags given."""
+    names = set(option_names(cls))
+    explicit = {k: v for k, v in vars(args).items() if k in names}
+    base = None
+    if resume:
+        out = explicit.get("out")
+        if out is None and args.config:
+            out = read_config_file(args.config, cls).get("out")
+        if out is None:
+            raise ValueError("--resume needs --out DIR (the run to continue)")
+        ckpt = find_checkpoint(out) if os.path.isdir(out) else None
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(out, CKPT_DIR)!r} "
+                                    f"({'tune' if cls.config_section == 'sft' else 'train'} with --save-every N, or start "
+                                    "without --resume)")
+        base = saved_options(load_trainer_state(ckpt)["config"], cls)
+    return make_config(explicit, args.config, base, cls), explicit
+
+
+def report_status(command: str, summary: dict) -> int | None:
+    """The exit code of a stopped (3) or paused (0) run, its message printed; ``None`` for a finished one."""
+    if summary["status"] in ("stopped", "paused"):
+        print(f"fullband {command}: {summary['message']}", file=sys.stderr)
+        return EXIT_STOPPED if summary["status"] == "stopped" else 0
+    return None
+
+
+def run_cli(args) -> int:
+    cfg, _ = config_from_args(args, args.resume)
+    tune_cpu_allocator()
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:
+        code = report_status("train", summary)
+        if code is not None:
+            return code
+        val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
+        print(f"fullband train: done, {cfg.steps} steps in {summary['elapsed']:.1f}s{val}; model in {cfg.out}")
+    return EXIT_STOPPED if summary["status"] == "stopped" else 0
+

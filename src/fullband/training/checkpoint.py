@@ -1,0 +1,251 @@
+"""Checkpoints of a training run: atomic writes, safe loads, and the run directory's layout.
+
+Owns ``OUT/checkpoints/step-NNNNNNN/`` (written under a temporary name, fsynced, renamed; ``latest`` updated
+atomically afterwards; the oldest beyond ``--keep-checkpoints`` removed):
+
+* ``model.safetensors``: the full (unsharded) model state, shared tensors stored once;
+* ``optimizer.pt``: the full optimizer state (tensors, numbers, strings, lists, tuples: no pickled objects);
+* ``rng-rankN.pt``: every rank's RNG states (torch, CUDA, Python ``random``, numpy, the prefix-mixing generator),
+  stored as tensors, lists and numbers (:func:`rng_state`);
+* ``trainer_state.json``: the step, tokens, elapsed time, guard state, the run's config and where the schedules
+  stand.
+
+Every file is read back with ``torch.load(..., weights_only=True)`` (or safetensors / JSON), so loading a
+checkpoint never runs pickled code; a missing, truncated or corrupt file is a ``ValueError`` naming it
+(:func:`load_checkpoint`, :func:`load_trainer_state`). Also the run directory's other names (:data:`METRICS`,
+:data:`TOKENIZER_DIR`, ...), :func:`prepare_out` (what ``--resume`` / ``--overwrite`` find there) and
+:func:`clear_outputs`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..utils.io import atomic_write_text
+from . import distributed as D
+
+CKPT_DIR = "checkpoints"
+LATEST = "latest"
+METRICS = "metrics.jsonl"
+TOKENIZER_DIR = "tokenizer"
+RUN_CONFIG = "run_config.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+FORMAT = 2  # 2: RNG states as tensors / lists / numbers (weights_only loads); 1: pickled numpy and tuples
+# what --overwrite removes (only these names, never anything else in OUT)
+RUN_OUTPUTS = (CKPT_DIR, METRICS, "tb", "curves.png", RUN_CONFIG, TOKENIZER_DIR, "summary.json", "config.json",
+               "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+def find_checkpoint(out: str) -> str | None:
+    """The newest complete checkpoint of a run (``latest``, else the highest ``step-*``), or ``None``."""
+    root = os.path.join(out, CKPT_DIR)
+    if not os.path.isdir(root):
+        return None
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+        path = os.path.join(root, name)
+        if name and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            return path
+    except OSError:
+        pass
+    cands = sorted(n for n in os.listdir(root) if n.startswith("step-")
+                   and os.path.isfile(os.path.join(root, n, TRAINER_STATE)))
+    return os.path.join(root, cands[-1]) if cands else None
+
+
+def prepare_out(out: str, resume: bool, overwrite: bool) -> str | None:
+    """Check the output directory (before anything is written); return the checkpoint to resume from."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(f"--out {out!r} exists and is not a directory")
+    ckpt = find_checkpoint(out) if os.path.isdir(out) else None
+    if resume:
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(out, CKPT_DIR)!r} "
+                                    "(train with --save-every N, or start without --resume)")
+        return ckpt
+    existing = [n for n in (CKPT_DIR, METRICS, "config.json") if os.path.exists(os.path.join(out, n))]
+    if existing and not overwrite:
+        raise ValueError(f"{out!r} already holds a run ({', '.join(existing)}); continue it with --resume or "
+                         "start over with --overwrite")
+    return None
+
+
+def clear_outputs(out: str) -> None:
+    """Remove what a run writes into ``out`` (:data:`RUN_OUTPUTS`), nothing else."""
+    for n in RUN_OUTPUTS:
+        p = os.path.join(out, n)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.unlink(p)
+
+
+# ----------------------------------------------------------------------------------------------- RNG states
+
+
+def rng_state(generator: torch.Generator) -> dict:
+    """This process's RNG states in a form ``torch.load(weights_only=True)`` accepts: tensors, lists, numbers."""
+    version, mt, gauss = random.getstate()
+    key, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "prefix": generator.get_state(),
+             "python": {"version": int(version), "state": [int(x) for x in mt], "gauss": gauss},
+             "numpy": {"key": str(key), "state": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict, generator: torch.Generator) -> None:
+    """Restore what :func:`rng_state` saved."""
+    py, npy = state["python"], state["numpy"]
+    torch.set_rng_state(state["torch"])
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    np.random.set_state((npy["key"], npy["state"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    generator.set_state(state["prefix"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+def dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state without the second name of a tied tensor (safetensors refuses shared storage)."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[k] = v.contiguous()
+    return out
+
+
+def save_checkpoint(out: str, step: int, env: D.DistEnv, model, optimizer, generator: torch.Generator,
+                    trainer_state: dict, keep: int = 1) -> str:
+    """Write checkpoint ``step`` of the run in ``out``; returns its path.
+
+    Every rank calls this (the state dicts are collective under FSDP) and writes its own RNG file; rank 0 writes
+    the shared files into a temporary directory, fsyncs them, renames it into place, then updates ``latest``.
+    """
+    model_state = D.full_model_state(model)
+    optim_state = D.full_optimizer_state(model, optimizer)
+    root = os.path.join(out, CKPT_DIR)
+    name = step_dir_name(step)
+    tmp = None
+    if env.is_main:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root)
+    tmp = D.broadcast_object(tmp, env)
+    torch.save(rng_state(generator), os.path.join(tmp, rng_file_name(env.rank)))
+    D.barrier(env)
+    if env.is_main:
+        save_file(dedupe_shared(model_state), os.path.join(tmp, MODEL_FILE))
+        torch.save(optim_state, os.path.join(tmp, OPTIMIZER_FILE))
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+            json.dump({"format": FORMAT, "step": step, **trainer_state}, f, indent=2)
+        for n in os.listdir(tmp):
+            with open(os.path.join(tmp, n), "rb") as fh:
+                os.fsync(fh.fileno())
+        final = os.path.join(root, name)
+        if os.path.exists(final):  # re-saving the same step (a resumed run that stopped again)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(os.path.join(root, LATEST), name + "\n")
+        names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+        for old in names[:-keep]:
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    D.barrier(env)
+    return os.path.join(root, name)
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+def _unreadable(path: str, err: BaseException) -> ValueError:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    first = first.split(". ")[0][:160]
+    if isinstance(err, pickle.UnpicklingError):
+        return ValueError(f"checkpoint file {path!r} holds objects that a safe (weights_only) load refuses ({first}); "
+                          "it was not written by fullband, or was tampered with")
+    return ValueError(f"checkpoint file {path!r} is corrupt or truncated ({type(err).__name__}: {first})")
+
+
+def load_trainer_state(path: str) -> dict:
+    """``trainer_state.json`` of checkpoint directory ``path`` (``ValueError`` naming the file when unreadable)."""
+    file = os.path.join(path, TRAINER_STATE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint file {file!r} does not exist")
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise _unreadable(file, err) from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("config"), dict):
+        raise ValueError(f"checkpoint file {file!r} is corrupt or truncated (no step and config in it)")
+    return state
+
+
+def safe_torch_load(file: str):
+    """``torch.load(file, weights_only=True)`` on the CPU; ``ValueError`` naming the file when it is missing,
+    truncated, corrupt or holds objects that a weights-only load refuses."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint file {file!r} does not exist")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - every failure to read the file is the file's problem
+        raise _unreadable(file, err) from None
+
+
+def load_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The model state of checkpoint directory ``path`` (safetensors; ``ValueError`` naming the file if bad)."""
+    file = os.path.join(path, MODEL_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint file {file!r} does not exist")
+    try:
+        return load_file(file)
+    except Exception as err:  # noqa: BLE001 - SafetensorError and OSError alike
+        raise _unreadable(file, err) from None
+
+
+def load_checkpoint(path: str, rank: int = 0) -> dict:
+    """Everything a resumed run needs from checkpoint ``path``, read and checked before anything is changed:
+    ``{"state", "model", "optimizer", "rng"}`` (``rng``: this rank's, else rank 0's)."""
+    state = load_trainer_state(path)
+    if state.get("format", 1) < FORMAT:
+        raise ValueError(f"checkpoint {path!r} was written by an older fullband (format {state.get('format', 1)}) "
+                         "whose RNG file needs an unsafe pickle load; start the run again")
+    rng_file = os.path.join(path, rng_file_name(rank))
+    if not os.path.exists(rng_file):
+        rng_file = os.path.join(path, rng_file_name(0))
+    rng = safe_torch_load(rng_file)
+    if not isinstance(rng, dict) or not {"torch", "prefix", "python", "numpy"} <= set(rng):
+        raise ValueError(f"checkpoint file {rng_file!r} is corrupt (not an RNG state)")
+    optimizer = safe_torch_load(os.path.join(path, OPTIMIZER_FILE))
+    if not isinstance(optimizer, dict):
+        raise ValueError(f"checkpoint file {os.path.join(path, OPTIMIZER_FILE)!r} is corrupt (not an optimizer state)")
+    return {"state": state, "model": load_model_state(path), "optimizer": optimizer, "rng": rng}

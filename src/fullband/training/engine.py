@@ -1,0 +1,365 @@
+"""The training engine that pre-training and SFT share: one loop, a recipe plugged in.
+
+A :class:`Recipe` supplies what differs between runs: the model and tokenizer (``setup``), the micro-batches of
+step ``(step, K)`` (``batch``), the periodic evaluation (``evaluate``) and what is written at the end (``finish``).
+:class:`Trainer` does the rest, in small steps:
+
+* ``prepare``: validate the config, check the output directory, read a checkpoint to resume from (every file
+  loaded safely and checked before anything is written), build the model through the recipe, write the tokenizer
+  and run config, wrap the model (DDP / FSDP2 under torchrun), build the optimizer, seed every RNG, restore the
+  checkpoint's model, optimizer, RNG, guard and token count;
+* ``train_step``: K from the feedback schedule, the LR schedule with the fusion's LR warm-up, the λ ramp and the
+  fusion-only phase (:class:`fullband.training.schedule.SwitchOn`), forward + backward over the micro-batches
+  (gradient accumulation, no all-reduce before the last), the guard, gradient clipping (global or per group),
+  the optimizer step, the metrics record;
+* ``after_step``: periodic evaluation, atomic checkpoints (only of good states), the stop on too many bad steps;
+* ``finish``: the final model through the recipe, ``curves.png``, ``summary.json``.
+
+The loop is deterministic given the config and the step: a run killed and resumed from a checkpoint logs the same
+per-step losses as an uninterrupted one (bitwise on CPU in fp32 with the same number of processes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from ..data.corpus import load_tokenizer
+from ..utils.io import atomic_save_pretrained, atomic_write_json, read_jsonl, rewrite_jsonl
+from . import distributed as D
+from .checkpoint import (
+    METRICS,
+    RUN_CONFIG,
+    TOKENIZER_DIR,
+    clear_outputs,
+    load_checkpoint,
+    prepare_out,
+    save_checkpoint,
+    set_rng_state,
+)
+from .config import check_resume
+from .device import autocast_context
+from .metrics import Guard, MetricsLog, finite_or_none, plot_run
+from .optimizer import build_optimizer, clip_gradients, param_groups, set_learning_rates
+from .schedule import lr_at, schedule_state
+
+EXIT_STOPPED = 3
+
+
+@dataclass
+class StepBatch:
+    """What a recipe hands the engine for one optimizer step on this process."""
+
+    micro: list[dict]          # model keyword arguments of each micro-batch (on the device)
+    loss_weight: float = 1.0   # each micro-batch's loss is multiplied by this before backward
+    tokens: int = 0            # tokens of the whole (global) step
+    record: dict = field(default_factory=dict)  # extra fields of the step's metrics record
+
+
+class Recipe:
+    """What a kind of run supplies; :class:`Trainer` calls these (``cfg`` is set by the subclass)."""
+
+    name = "train"
+    val_label = "val loss"
+    plot_name = "run"  # the curve's label when OUT has no basename
+    plot_title = None
+    fresh_fusion = False  # re-initialise the fusion when feedback switches on (it was built, not trained)
+
+    def setup(self, tokenizer):
+        """``(model, tokenizer)``: build data and model (fp32, seeded). ``tokenizer``: the run's own on resume."""
+        raise NotImplementedError
+
+    def build_model(self):
+        """A fresh model of the same shape (rank 0 gathers an FSDP model into it at the end)."""
+        raise NotImplementedError
+
+    def run_config(self) -> dict:
+        return self.cfg.to_dict()
+
+    def describe(self, model) -> str:
+        """The start of the run's first log line: the model and data, up to ``{steps} steps x {batch}, ``."""
+        return f"{self.name}: {self.cfg.steps} steps, "
+
+    def batch(self, step: int, num_passes: int, generator: torch.Generator, env: D.DistEnv) -> StepBatch:
+        raise NotImplementedError
+
+    def evaluate(self, model, step: int, feedback_start: int, env: D.DistEnv) -> dict | None:
+        """Validation fields (``val_loss``, ...) after ``step`` steps, or ``None``."""
+        return None
+
+    def finish(self, model, summary: dict) -> None:
+        """Rank 0, after the last step: save the model and tokenizer; final evaluations into ``summary``."""
+
+    def summarize(self, summary: dict) -> None:
+        """Add the recipe's fields to the run's summary (every status)."""
+
+
+def forward_backward(model, micro_batches: list[dict], num_passes: int, autocast, loss_weight: float = 1.0,
+                     nan: bool = False, feedback_weight: float | None = None):
+    """Forward + backward over micro-batches (each a dict of model arguments); each loss is multiplied by
+    ``loss_weight`` before backward. Returns the summed ``(loss, pass_losses)`` tensors, unweighted.
+    ``feedback_weight`` overrides the model's λ for these calls; ``nan`` poisons the loss (a test hook)."""
+    n = len(micro_batches)
+    loss_sum, pass_sum = None, None
+    for i, kwargs in enumerate(micro_batches):
+        with D.no_sync(model, skip=i < n - 1), autocast():
+            out = model(**kwargs, num_passes=num_passes, feedback_weight=feedback_weight)
+            loss = out.loss
+            if nan:
+                loss = loss * float("nan")
+        (loss * loss_weight).backward()
+        ls, ps = loss.detach().float(), out.pass_losses.float()
+        if nan:
+            ps = ps * float("nan")
+        loss_sum = ls if loss_sum is None else loss_sum + ls
+        pass_sum = ps if pass_sum is None else pass_sum + ps
+    return loss_sum, pass_sum
+
+
+def run(recipe: Recipe, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run (or continue) ``recipe``'s training; returns the summary (``status`` = done / stopped / paused)."""
+    hf_logging.disable_progress_bar()
+    env = D.init_distributed(recipe.cfg.device)
+    try:
+        trainer = Trainer(recipe, env)
+        trainer.prepare(resume, overwrite)
+        return trainer.fit()
+    finally:
+        D.shutdown(env)
+
+
+class Trainer:
+    """One run of a recipe on this process (see the module docstring for the steps)."""
+
+    def __init__(self, recipe: Recipe, env: D.DistEnv):
+        self.recipe, self.cfg, self.env = recipe, recipe.cfg, env
+        self.start = 0
+        self.tokens = 0
+        self.elapsed_before = 0.0
+        self.t_start = time.perf_counter()
+        self.last_ckpt = None
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.t_start
+
+    # ------------------------------------------------------------------------------------------- prepare
+
+    def prepare(self, resume: bool, overwrite: bool) -> None:
+        cfg, env = self.cfg, self.env
+        cfg.validate(env.world_size)
+        ckpt = prepare_out(cfg.out, resume, overwrite)
+        restored = load_checkpoint(ckpt, env.rank) if ckpt is not None else None
+        if restored is not None:
+            check_resume(cfg, restored["state"], env.world_size, env.is_main)
+
+        # ---- data, tokenizer and model (nothing written yet: bad input fails here)
+        tok_dir = os.path.join(cfg.out, TOKENIZER_DIR)
+        resumed_tok = load_tokenizer(tok_dir) if (ckpt is not None and os.path.isdir(tok_dir)) else None
+        model, self.tokenizer = self.recipe.setup(resumed_tok)
+
+        # ---- the output directory: from here on things are written
+        if env.is_main:
+            if overwrite and ckpt is None:
+                clear_outputs(cfg.out)
+            os.makedirs(cfg.out, exist_ok=True)
+            if not os.path.isdir(tok_dir):
+                atomic_save_pretrained(self.tokenizer, tok_dir)
+            atomic_write_json(os.path.join(cfg.out, RUN_CONFIG), self.recipe.run_config())
+        D.barrier(env)
+
+        model.to(env.device).train()
+        self.model = model = D.wrap_model(model, env, cfg.parallel) if env.distributed else model
+        self.optimizer = build_optimizer(D.unwrap(model), cfg, env.device, D.is_sharded(D.unwrap(model)))
+        self.prefix_gen = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
+        # every rank its own jitter stream; the model init used the shared seed
+        torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
+        random.seed(cfg.seed + env.rank)
+        self.guard = Guard(spike_factor=cfg.spike_factor)
+        if restored is not None:
+            self.restore(restored)
+            self.last_ckpt = ckpt
+        D.barrier(env)
+
+    def restore(self, restored: dict) -> None:
+        cfg, env, model = self.cfg, self.env, self.model
+        D.load_full_model_state(model, restored["model"])
+        D.load_full_optimizer_state(model, self.optimizer, restored["optimizer"])
+        # the saved groups carry the old run's options (lr_mult among them); options allowed to change win
+        for group, fresh in zip(self.optimizer.param_groups, param_groups(D.unwrap(model), cfg)):
+            group["lr_mult"] = fresh["lr_mult"]
+        set_rng_state(restored["rng"], self.prefix_gen)
+        state = restored["state"]
+        self.guard = Guard.restored(cfg.spike_factor, state["guard"])
+        self.start = state["step"]
+        self.elapsed_before = state.get("elapsed", 0.0)
+        self.tokens = state.get("tokens", 0)
+        if env.is_main:  # forget what a killed run logged after its checkpoint
+            path = os.path.join(cfg.out, METRICS)
+            rewrite_jsonl(path, [r for r in read_jsonl(path) if r.get("step", 0) <= self.start])
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    def fit(self) -> dict:
+        cfg, env, model = self.cfg, self.env, self.model
+        self.sched = cfg.schedule()
+        self.fb_start = self.sched.start_step(cfg.steps)
+        self.switch_on = cfg.switch_on()
+        self.autocast, precision = autocast_context(cfg.precision, env.device)
+        self.fusion_params = [p for n, p in D.unwrap(model).named_parameters() if n.startswith("feedback.")]
+        fusion_ids = {id(p) for p in self.fusion_params}
+        self.backbone_params = [p for p in model.parameters() if p.requires_grad and id(p) not in fusion_ids]
+        self.all_params = [p for p in model.parameters() if p.requires_grad]
+        self.eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+        self.log = MetricsLog(cfg, env.is_main, self.start, self.recipe.name)
+        if env.is_main and self.start == 0:
+            feedback = (f"feedback from step {self.fb_start + 1} (K={cfg.num_passes}), " if cfg.feedback_ever
+                        else "no feedback (K=1), ")
+            self.log.write(self.recipe.describe(D.unwrap(model)) + feedback
+                           + f"{env.world_size} process(es), {precision}, device {env.device}")
+        self.t_start = time.perf_counter()
+        status, message = "done", ""
+        stop_at = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+        try:
+            for step in range(self.start, stop_at):
+                reason = self.train_step(step)
+                message = self.after_step(step + 1, reason, stop_at)
+                if message:
+                    status = "stopped"
+                    break
+            else:
+                if stop_at < cfg.steps:
+                    status = "paused"
+                    message = f"paused after step {stop_at} of {cfg.steps}; continue with --resume"
+        finally:
+            self.log.close()
+        return self.summarize(status, message)
+
+    def train_step(self, step: int) -> str | None:
+        """One optimizer step (or a skipped one); logs its record and returns the guard's reason to skip, if any."""
+        cfg, env, model, optimizer, guard = self.cfg, self.env, self.model, self.optimizer, self.guard
+        t0 = time.perf_counter()
+        K = self.sched.passes_at(step, cfg.steps)
+        if self.recipe.fresh_fusion and step == self.fb_start:
+            D.unwrap(model).reset_feedback(torch.Generator().manual_seed(cfg.seed * 31 + 7))
+        lr = lr_at(step, cfg)
+        set_learning_rates(optimizer, lr, lr * self.switch_on.fusion_lr_factor(step, self.fb_start, cfg.steps))
+        frozen = self.switch_on.backbone_frozen(step, self.fb_start, cfg.steps)
+        weight = cfg.feedback_weight * self.switch_on.feedback_weight_factor(step, self.fb_start, cfg.steps)
+        batch = self.recipe.batch(step, K, self.prefix_gen, env)
+        loss_sum, pass_sum = forward_backward(model, batch.micro, K, self.autocast, batch.loss_weight,
+                                              nan=(step + 1) in cfg.debug_nan_steps, feedback_weight=weight)
+        if K == 1:
+            for p in self.fusion_params:  # unused on a plain step: no update, no weight decay, as single-process
+                p.grad = None
+        if frozen:
+            for p in self.backbone_params:  # fusion-only phase: the backbone is not updated
+                p.grad = None
+        stats = D.all_reduce_mean(torch.cat([loss_sum.view(1), pass_sum]) * batch.loss_weight, env).tolist()
+        loss, pass_losses = stats[0], stats[1:]
+        reason = guard.check(loss, pass_losses[0], None)
+        grad_norm, fusion_norm = float("nan"), None
+        if reason is None:
+            if cfg.clip_per_group:
+                grad_norm = clip_gradients(self.backbone_params, cfg.grad_clip)
+                if K > 1:
+                    fusion_norm = clip_gradients(self.fusion_params, cfg.grad_clip)
+                    grad_norm = math.hypot(grad_norm, fusion_norm)
+            else:
+                grad_norm = clip_gradients(self.all_params, cfg.grad_clip)
+            reason = guard.check(loss, pass_losses[0], grad_norm)
+        if reason is None:
+            optimizer.step()
+            guard.good(pass_losses[0])
+        else:
+            guard.bad()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        self.tokens += batch.tokens
+        fusion_lr = next((g["lr"] for g in optimizer.param_groups if g["name"].startswith("fusion")), None)
+        rec = {"step": step + 1, "split": "train", "loss": finite_or_none(loss),
+               "pass_losses": [finite_or_none(v) for v in pass_losses], "num_passes": K, "lr": lr,
+               "grad_norm": finite_or_none(grad_norm), "feedback_weight": weight if K > 1 else None,
+               "fusion_lr": fusion_lr if K > 1 else None, "tokens": self.tokens, **batch.record,
+               "step_time": dt, "tokens_per_s": batch.tokens / dt, "elapsed": self.elapsed()}
+        if fusion_norm is not None:
+            rec["fusion_grad_norm"] = finite_or_none(fusion_norm)
+        if frozen:
+            rec["backbone_frozen"] = True
+        if reason is not None:
+            rec["skipped"] = reason
+        self.log.record(rec)
+        self.log.progress(rec, batch.tokens / dt)
+        return reason
+
+    def after_step(self, done: int, reason: str | None, stop_at: int) -> str:
+        """The guard's stop, evaluation, checkpoint and test hooks after ``done`` steps; returns a stop message."""
+        cfg, guard, log = self.cfg, self.guard, self.log
+        if reason is not None:
+            log.write(f"step {done}: skipped ({reason}); {guard.bad_in_row} bad step(s) in a row")
+            if guard.bad_in_row >= cfg.max_bad_steps:
+                message = (f"stopped after {guard.bad_in_row} bad steps in a row at step {done}; "
+                           + (f"last good checkpoint: {self.last_ckpt}" if self.last_ckpt
+                              else "no checkpoint was written"))
+                log.record({"step": done, "split": "event", "event": "stopped", "reason": message})
+                return message
+        if done % self.eval_every == 0 or done == cfg.steps:
+            val = self.recipe.evaluate(D.unwrap(self.model), done, self.fb_start, self.env)
+            if val is not None:
+                log.record({"step": done, "split": "val", "tokens": self.tokens, **val})
+                extra = f", K={val['val_num_passes']}: {val['val_loss_passes']:.4f}" if "val_loss_passes" in val else ""
+                log.write(f"step {done}: {self.recipe.val_label} {val['val_loss']:.4f}{extra}")
+        if (cfg.save_every and done % cfg.save_every == 0) or (done == stop_at and done < cfg.steps):
+            if guard.bad_in_row == 0:
+                self.last_ckpt = self.save(done)
+            else:  # only good states are checkpointed
+                log.write(f"step {done}: no checkpoint while steps are being skipped")
+        if cfg.debug_kill_at_step is not None and done == cfg.debug_kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ""
+
+    def save(self, step: int) -> str:
+        cfg = self.cfg
+        state = {"tokens": self.tokens, "elapsed": self.elapsed(), "world_size": self.env.world_size,
+                 "guard": self.guard.to_dict(), "config": cfg.to_dict(),
+                 "data_position": {"next_batch": step, "seed": cfg.seed}, "schedule": schedule_state(cfg, step)}
+        return save_checkpoint(cfg.out, step, self.env, self.model, self.optimizer, self.prefix_gen, state,
+                               keep=cfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------------------- finish
+
+    def summarize(self, status: str, message: str) -> dict:
+        cfg, env = self.cfg, self.env
+        summary = {"status": status, "message": message, "out": cfg.out,
+                   "steps_done": cfg.steps if status == "done" else None, "checkpoint": self.last_ckpt,
+                   "elapsed": self.elapsed(), "skipped_steps": self.guard.skipped}
+        if status == "done":
+            self.finish(summary)
+        self.recipe.summarize(summary)
+        if env.is_main and status == "done":
+            atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+        return summary
+
+    def finish(self, summary: dict) -> None:
+        """The final model (gathered to rank 0 under FSDP) through the recipe, and the curves."""
+        cfg, env = self.cfg, self.env
+        model = D.unwrap(self.model)
+        if D.is_sharded(model):
+            state = D.full_model_state(self.model)
+            model = None
+            if env.is_main:
+                model = self.recipe.build_model()
+                D.load_full_model_state(model, state)
+        if env.is_main:
+            model.eval()
+            self.recipe.finish(model, summary)
+            if cfg.plot:
+                plot_run(cfg.out, self.recipe.plot_name, self.recipe.plot_title)
+            model.train()
+        D.barrier(env)

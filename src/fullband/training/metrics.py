@@ -1,0 +1,144 @@
+"""What a training run reports, and the stability guard that reads it.
+
+Owns :class:`MetricsLog` (rank 0's sinks: ``OUT/metrics.jsonl`` one JSON object a line, TensorBoard under
+``OUT/tb`` when installed, a tqdm progress bar with the loss per pass, LR and tokens/s; messages go to stderr
+above the bar), :func:`finite_or_none` (NaN/inf logged as ``null``), :func:`plot_run` (``OUT/curves.png``) and
+:class:`Guard` (a step whose loss or gradient norm is NaN/inf, or whose pass-1 loss exceeds ``spike_factor`` ×
+its running average, is skipped; the engine stops after ``--max-bad-steps`` in a row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from ..utils.io import append_jsonl
+from ..utils.plotting import plot_loss_curves
+from .checkpoint import METRICS
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+class MetricsLog:
+    """Rank 0's sinks: metrics.jsonl, TensorBoard, the progress bar (other ranks: no-ops)."""
+
+    def __init__(self, cfg, is_main: bool, start_step: int, name: str):
+        self.main = is_main
+        self.path = os.path.join(cfg.out, METRICS)
+        self.tb = None
+        self.bar = None
+        if not self.main:
+            return
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # optional: needs tensorboard installed
+
+                self.tb = SummaryWriter(os.path.join(cfg.out, "tb"), purge_step=start_step + 1)
+            except Exception:  # noqa: BLE001 - tensorboard not installed or unusable: skip it
+                self.tb = None
+        if cfg.progress:
+            self.bar = tqdm(total=cfg.steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True,
+                            file=sys.stderr, smoothing=0.1)
+
+    def record(self, rec: dict) -> None:
+        if not self.main:
+            return
+        append_jsonl(self.path, rec)
+        if self.tb is not None:
+            step = rec["step"]
+            if rec.get("split") == "val":
+                for k in ("val_loss", "val_loss_passes"):
+                    if rec.get(k) is not None:
+                        self.tb.add_scalar(f"val/{k}", rec[k], step)
+            elif rec.get("split") == "train" and not rec.get("skipped"):
+                self.tb.add_scalar("train/loss", rec["loss"], step)
+                for i, v in enumerate(rec["pass_losses"], 1):
+                    self.tb.add_scalar(f"train/pass_{i}", v, step)
+                self.tb.add_scalar("train/lr", rec["lr"], step)
+                self.tb.add_scalar("train/grad_norm", rec["grad_norm"], step)
+                self.tb.add_scalar("train/tokens_per_s", rec["tokens_per_s"], step)
+
+    def progress(self, rec: dict, tok_s: float) -> None:
+        if self.bar is None:
+            return
+        post = {"K": rec.get("num_passes")}
+        if rec.get("skipped"):
+            post["skipped"] = rec["skipped"][:20]
+        else:
+            for i, v in enumerate(rec["pass_losses"], 1):
+                post[f"L{i}"] = f"{v:.3f}"
+        post["lr"] = f"{rec['lr']:.2e}"
+        post["tok/s"] = f"{tok_s:,.0f}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def write(self, msg: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_run(out: str, default_name: str, title: str | None = None) -> None:
+    """``OUT/curves.png`` from ``OUT/metrics.jsonl``; a failure is a warning (not worth failing a finished run)."""
+    try:
+        kwargs = {"title": title} if title else {}
+        plot_loss_curves({os.path.basename(os.path.normpath(out)) or default_name: os.path.join(out, METRICS)},
+                         os.path.join(out, "curves.png"), **kwargs)
+    except Exception as err:  # noqa: BLE001 - a plot is not worth failing a finished run
+        print(f"warning: could not draw curves.png: {err}", file=sys.stderr)
+
+
+@dataclass
+class Guard:
+    """Skips NaN/inf and spiking steps; counts them."""
+
+    spike_factor: float = 3.0
+    warmup: int = 10
+    beta: float = 0.9
+    ema: float | None = None
+    good_steps: int = 0
+    bad_in_row: int = 0
+    skipped: int = 0
+
+    def check(self, loss: float, first_pass: float, grad_norm: float | None) -> str | None:
+        if not math.isfinite(loss) or not math.isfinite(first_pass):
+            return "non-finite loss"
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return "non-finite gradient"
+        if (self.spike_factor > 0 and self.ema is not None and self.good_steps >= self.warmup
+                and first_pass > self.spike_factor * self.ema):
+            return f"loss spike ({first_pass:.3f} > {self.spike_factor:g} x running {self.ema:.3f})"
+        return None
+
+    def good(self, first_pass: float) -> None:
+        self.ema = first_pass if self.ema is None else self.beta * self.ema + (1 - self.beta) * first_pass
+        self.good_steps += 1
+        self.bad_in_row = 0
+
+    def bad(self) -> None:
+        self.bad_in_row += 1
+        self.skipped += 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def restored(cls, spike_factor: float, saved: dict) -> Guard:
+        """The guard of a resumed run: the saved counters, this run's ``spike_factor``."""
+        return cls(spike_factor=spike_factor, **{k: v for k, v in saved.items() if k != "spike_factor"})
