@@ -11,7 +11,8 @@ import random
 import pytest
 
 from fullband import cli
-from fullband.commands.experiments import crossing, loss_at, parse_multipliers
+from fullband.commands.data_efficiency import parse_multipliers
+from fullband.commands.experiment_common import crossing, loss_at
 from fullband.eval.flops import flop_parameters, training_flops
 from fullband.utils.io import read_jsonl
 

@@ -37,10 +37,14 @@ def run(args) -> int:
     report = evaluate_model(model, rows, passes=passes, exact=not args.no_exact, batch_size=args.batch_size,
                             max_rows=args.max_rows, tokenizer=tokenizer, progress=args.progress)
     report = {"model": os.path.abspath(args.model), "data": data_info, **report}
-    markdown = report_markdown(report)
+    return show_report(report, report_markdown(report), args.out, "eval")
+
+
+def show_report(report: dict, markdown: str, out: str | None, stem: str) -> int:
+    """Print the markdown; with ``out``, also write ``stem``.json / .md there and say where."""
     print(markdown, end="")
-    if args.out:
-        json_path, md_path = write_report(report, markdown, args.out, "eval")
+    if out:
+        json_path, md_path = write_report(report, markdown, out, stem)
         print(f"wrote {json_path} and {md_path}")
     return 0
 

@@ -6,7 +6,8 @@ import os
 import sys
 
 from ..eval.reasoning import TASKS, make_problems, read_gsm8k, report_markdown, run_reasoning
-from ..eval.scoring import load_any_model, write_report
+from ..eval.scoring import load_any_model
+from .eval import show_report
 
 
 def _progress_printer(message: str) -> None:
@@ -41,12 +42,7 @@ def run(args) -> int:
                               zip(models, [args.model] + ([args.compare] if args.compare else []))}},
         **result,
     }
-    markdown = report_markdown(report)
-    print(markdown, end="")
-    if args.out:
-        json_path, md_path = write_report(report, markdown, args.out, "reason")
-        print(f"wrote {json_path} and {md_path}")
-    return 0
+    return show_report(report, report_markdown(report), args.out, "reason")
 
 
 def add_parser(sub) -> None:

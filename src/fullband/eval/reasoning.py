@@ -22,7 +22,6 @@ Owns
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -36,6 +35,7 @@ from transformers import StoppingCriteria
 from ..model.configuration import has_feedback
 from ..model.generation import MODES, generate
 from ..model.modeling import max_positions
+from ..utils.io import iter_jsonl_objects
 from ..utils.stats import compare_paired
 
 ANSWER_MARKER = "####"
@@ -204,26 +204,17 @@ def read_gsm8k(path: str, limit: int | None = None) -> list[Problem]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GSM8K-format file {path!r} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("question"), str) \
-                    or not isinstance(rec.get("answer"), str):
-                raise ValueError(f"{path}:{lineno}: each line needs string 'question' and 'answer' fields")
-            if ANSWER_MARKER not in rec["answer"]:
-                raise ValueError(f"{path}:{lineno}: the answer has no '{ANSWER_MARKER} N' final answer")
-            solution, _, final = rec["answer"].rpartition(ANSWER_MARKER)
-            solution = re.sub(r"<<[^>]*>>", "", solution).strip()
-            pid = str(rec.get("id", f"gsm8k-{lineno}"))
-            out.append(Problem(pid, "gsm8k", rec["question"].strip(), _clean_number(final), solution,
-                               {"line": lineno}))
-            if limit is not None and len(out) >= limit:
-                break
+    for lineno, rec in iter_jsonl_objects(path, "a JSON object with 'question' and 'answer'"):
+        if not isinstance(rec.get("question"), str) or not isinstance(rec.get("answer"), str):
+            raise ValueError(f"{path}:{lineno}: each line needs string 'question' and 'answer' fields")
+        if ANSWER_MARKER not in rec["answer"]:
+            raise ValueError(f"{path}:{lineno}: the answer has no '{ANSWER_MARKER} N' final answer")
+        solution, _, final = rec["answer"].rpartition(ANSWER_MARKER)
+        solution = re.sub(r"<<[^>]*>>", "", solution).strip()
+        pid = str(rec.get("id", f"gsm8k-{lineno}"))
+        out.append(Problem(pid, "gsm8k", rec["question"].strip(), _clean_number(final), solution, {"line": lineno}))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"{path} holds no problems")
     return out

@@ -1,0 +1,207 @@
+"""What the experiments share: the recipe options, the paired baseline/FBT training, and reading a baseline
+curve (where it reaches a loss, its loss at a budget)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import sys
+
+from ..training.config import TrainConfig, make_config
+from ..training.pretrain import train
+from .quickstart import copy_branch
+
+# recipe knobs shared by both experiments: (flag, TrainConfig field, type)
+RECIPE = (("--feedback-start", "feedback_start", float), ("--num-passes", "num_passes", int),
+          ("--deep-passes", "deep_passes", int), ("--deep-fraction", "deep_fraction", float),
+          ("--prefix-mix", "prefix_mix", float), ("--jitter", "jitter", float),
+          ("--feedback-weight", "feedback_weight", float), ("--fusion-lr-mult", "fusion_lr_mult", float),
+          ("--fusion", "fusion", str), ("--lr", "lr", float), ("--lr-schedule", "lr_schedule", str),
+          ("--warmup-fraction", "warmup_fraction", float))
+
+
+
+# ============================================================================================== shared
+
+
+def say_for(args):
+    return (lambda *a: None) if getattr(args, "quiet", False) else (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+
+def parse_settings(items: list[str] | None) -> dict:
+    """``--set NAME=VALUE`` pairs (VALUE parsed as YAML: numbers, true/false, lists) for any ``fullband train``
+    option; names with dashes or underscores."""
+    names = set(TrainConfig.field_names())
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set takes NAME=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        name = key.strip().lstrip("-").replace("-", "_")
+        if name not in names or name in ("out", "steps", "stop_after", "resume", "debug_nan_steps",
+                                         "debug_kill_at_step", "init_from"):
+            raise ValueError(f"--set: {key!r} is not a `fullband train` option this experiment can set")
+        import yaml
+
+        try:
+            value = yaml.safe_load(raw)
+        except Exception:  # noqa: BLE001 - keep the raw text
+            value = raw
+        out[name] = value
+    return out
+
+
+def recipe_from_args(args) -> dict:
+    """The FBT recipe options given on the command line (``None`` = the ``fullband train`` default)."""
+    recipe = {field: getattr(args, field) for _, field, _ in RECIPE if getattr(args, field) is not None}
+    if args.detach_state:
+        recipe["detach_state"] = True
+    return recipe
+
+
+def add_recipe_arguments(p) -> None:
+    defaults = TrainConfig()
+    g = p.add_argument_group("FBT recipe (defaults: fullband train's)")
+    for flag, field, typ in RECIPE:
+        meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[field]
+        shown = getattr(defaults, field)
+        g.add_argument(flag, dest=field, type=typ, default=None,
+                       help=f"{meta['help']} (default: {shown if shown is not None else 'the preset’s'})")
+    g.add_argument("--detach-state", action="store_true", help="stop gradients through the fed-back state")
+    g.add_argument("--set", dest="settings", action="append", metavar="NAME=VALUE", default=None,
+                   help="any other `fullband train` option for every run (repeatable), e.g. --set grad_clip=0.5")
+
+
+def add_common_arguments(p, defaults: dict) -> None:
+    p.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
+    p.add_argument("--preset", default=defaults["preset"],
+                   help="model size preset (micro, tiny, small, gpt2-small) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help="optimizer steps per model (data-efficiency: of the FBT run, the 1.0x budget) "
+                        "(default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="training tokens per model (data-efficiency: of the FBT run) instead of --steps (rounded "
+                        "up to whole steps)")
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help="rows per step (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="tokens per row (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=defaults["vocab_size"],
+                   help="BPE vocabulary size (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of init, split, data order (shared by every run) (default: %(default)s)")
+    p.add_argument("--no-share-prefix", action="store_true",
+                   help="train the FBT run from scratch instead of branching it off the 1.0x baseline at the "
+                        "feedback start (the two are bit-identical until then)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="print only the tables")
+
+
+def steps_for(args) -> int:
+    if args.tokens is not None:
+        if args.tokens < 1:
+            raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+        return max(1, math.ceil(args.tokens / (args.batch_size * args.seq_len)))
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    return args.steps
+
+
+def base_config(args, out: str, steps: int, data: str, **extra):
+    values = dict(out=out, steps=steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
+                  batch_size=args.batch_size, vocab_size=args.vocab_size, data=data, progress=not args.no_progress,
+                  tensorboard=False, plot=False, eval_every=steps, eval_rows=32, device=args.device, save_every=0)
+    values.update(parse_settings(args.settings))
+    values.update(recipe_from_args(args))
+    values.update(extra)
+    cfg = make_config(values)
+    assert isinstance(cfg, TrainConfig)
+    return cfg
+
+
+def plain_config(cfg):
+    """The baseline of ``cfg``: K = 1 on every step (the FBT class with feedback never on = its backbone)."""
+    return dataclasses.replace(cfg, num_passes=1, deep_passes=1)
+
+
+def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True) -> tuple[dict, dict, int]:
+    """Train the baseline and the FBT run (same steps, seed, data). With ``share``, the K = 1 steps before the
+    feedback start (identical in both) are trained once and the FBT run resumes from the baseline's checkpoint
+    there. Returns both summaries and the number of shared steps."""
+    start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
+    share = share and 0 < start < fbt_cfg.steps and base_cfg.steps == fbt_cfg.steps
+    if share:
+        first = train(dataclasses.replace(base_cfg, stop_after=start), overwrite=True, corpus=corpus,
+                      name=f"{run_name(base_cfg)}+{run_name(fbt_cfg)} (shared K=1 steps)")
+        copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
+        base = train(base_cfg, resume=True, corpus=corpus, name=run_name(base_cfg))
+        fbt = train(fbt_cfg, resume=True, corpus=corpus, name=run_name(fbt_cfg))
+    else:
+        base = train(base_cfg, overwrite=True, corpus=corpus, name=run_name(base_cfg))
+        fbt = train(fbt_cfg, overwrite=True, corpus=corpus, name=run_name(fbt_cfg))
+    for s in (base, fbt):
+        check_done(s)
+    return base, fbt, start if share else 0
+
+
+def run_name(cfg) -> str:
+    return os.path.basename(os.path.normpath(cfg.out))
+
+
+def check_done(summary: dict) -> None:
+    if summary["status"] != "done":
+        raise RuntimeError(f"training did not finish: {summary['message']}")
+    shutil.rmtree(os.path.join(summary["out"], "checkpoints"), ignore_errors=True)
+
+
+# ============================================================================================== FLOPs
+
+
+# ============================================================================================== interpolation
+
+
+def crossing(points: list[tuple[float, float]], loss: float) -> dict:
+    """Where a baseline curve ``[(x, loss), ...]`` (x = tokens or FLOPs) first reaches ``loss``, linearly in
+    ``log x`` between the two points that bracket it.
+
+    Returns ``{"x", "status", "monotone"}``: ``status`` ``inside`` (``x`` set), ``below_range`` (even the smallest
+    x has a loss at or below ``loss``: the baseline needs at most the smallest budget; ``x`` None) or
+    ``above_range`` (no point reaches ``loss``: the baseline needs more than the largest budget; ``x`` None).
+    ``monotone`` says whether the curve's loss falls with every larger budget."""
+    pts = sorted(points)
+    if len(pts) < 2:
+        raise ValueError("the baseline curve needs at least two budgets")
+    monotone = all(b[1] < a[1] for a, b in zip(pts, pts[1:]))
+    if pts[0][1] <= loss:
+        return {"x": None, "status": "below_range", "monotone": monotone}
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if y1 <= loss:
+            frac = (y0 - loss) / (y0 - y1)
+            return {"x": math.exp(math.log(x0) + frac * (math.log(x1) - math.log(x0))), "status": "inside",
+                    "monotone": monotone}
+    return {"x": None, "status": "above_range", "monotone": monotone}
+
+
+def loss_at(points: list[tuple[float, float]], x: float) -> dict:
+    """The baseline curve's loss at ``x`` (linear in ``log x`` between the bracketing points), or ``None`` with
+    ``status`` ``below_range`` / ``above_range`` when ``x`` is outside the budgets."""
+    pts = sorted(points)
+    if x < pts[0][0]:
+        return {"loss": None, "status": "below_range"}
+    if x > pts[-1][0]:
+        return {"loss": None, "status": "above_range"}
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            frac = 0.0 if x1 == x0 else (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return {"loss": y0 + frac * (y1 - y0), "status": "inside"}
+    return {"loss": pts[-1][1], "status": "inside"}
+
+
+def describe_multiplier(c: dict, reference: float, smallest: float, largest: float) -> str:
+    if c["status"] == "inside":
+        return f"{c['x'] / reference:.3f}x"
+    if c["status"] == "below_range":
+        return f"< {smallest / reference:.3f}x (below the range)"
+    return f"> {largest / reference:.3f}x (above the range)"
