@@ -14,7 +14,7 @@ from conftest import BOS, random_ids, tiny_backbone, tiny_model
 import fullband
 from fullband import analysis as A
 from fullband.eval.scoring import evaluate_loss
-from fullband.model.feedback import build_feedback_mask, shift_right
+from fullband.model.feedback import build_feedback_mask
 
 SMALL_VOCAB = 24  # token ids 3..23 are "text"; with hidden 32 > 24 the embedding rows are linearly independent
 
@@ -284,10 +284,10 @@ def test_gate_statistics_non_glu_fusion():
 
 
 def _saved_pair(tmp_path):
-    from fullband.data.corpus import train_tokenizer
+    from conftest import tiny_backbone_config
     from transformers import AutoModelForCausalLM
 
-    from conftest import tiny_backbone_config
+    from fullband.data.corpus import train_tokenizer
 
     texts = ["To be, or not to be, that is the question. " * 8, "All the world's a stage. " * 10,
              "Now is the winter of our discontent. " * 9]

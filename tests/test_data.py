@@ -8,8 +8,18 @@ import random
 import pytest
 import torch
 
-from fullband.data.corpus import (Document, batch_rows, build_corpus, load_documents, load_tokenizer, pack, special_ids,
-                           split_documents, tokenize_documents, train_tokenizer)
+from fullband.data.corpus import (
+    Document,
+    batch_rows,
+    build_corpus,
+    load_documents,
+    load_tokenizer,
+    pack,
+    special_ids,
+    split_documents,
+    tokenize_documents,
+    train_tokenizer,
+)
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 

@@ -8,15 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEXTS, random_ids, tiny_backbone, tiny_backbone_config, tiny_model
+from conftest import TEXTS, random_ids, tiny_backbone, tiny_model
 from torch import nn
-from transformers import AutoModelForCausalLM
 
-import fullband
 from fullband.cli import main as cli_main
-from fullband.data.corpus import embedded_corpus, load_documents, split_documents, train_tokenizer
-from fullband.eval.scoring import (evaluate_loss, evaluate_model, evaluation_rows, load_any_model, report_markdown,
-                               split_settings)
+from fullband.data.corpus import embedded_corpus, load_documents, split_documents
+from fullband.eval.scoring import (
+    evaluate_loss,
+    evaluate_model,
+    evaluation_rows,
+    load_any_model,
+    report_markdown,
+    split_settings,
+)
+
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):

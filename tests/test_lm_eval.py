@@ -14,9 +14,9 @@ pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (pip i
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from conftest import TEXTS  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
-from conftest import TEXTS  # noqa: E402
 
 from fullband.eval import lm_eval_adapter as A  # noqa: E402
 from fullband.eval.scoring import evaluate_loss  # noqa: E402

@@ -8,26 +8,26 @@ import math
 import pytest
 import torch
 
-from fullband.eval import reasoning as R
 from fullband.cli import main as cli_main
+from fullband.eval import problems as P
+from fullband.eval import reasoning as R
 from fullband.utils.stats import bootstrap_ci, compare_paired, discordant_counts, mcnemar_exact
-
 
 # ----------------------------------------------------------------------------- problems
 
 
 def test_arithmetic_worked_example():
-    value, steps = R.solve_arithmetic([3, 4, 2, 5], ["+", "*", "-"])
+    value, steps = P.solve_arithmetic([3, 4, 2, 5], ["+", "*", "-"])
     assert (value, steps) == (6, ["4*2=8", "3+8=11", "11-5=6"])
-    p = R.Problem("x", "arithmetic", "3+4*2-5=?", "6", "; ".join(steps) + ".")
-    assert R.format_example(p) == "Q: 3+4*2-5=?\nA: 4*2=8; 3+8=11; 11-5=6. #### 6"
-    assert R.format_example(p, cot=False) == "Q: 3+4*2-5=?\nA: #### 6"
+    p = P.Problem("x", "arithmetic", "3+4*2-5=?", "6", "; ".join(steps) + ".")
+    assert P.format_example(p) == "Q: 3+4*2-5=?\nA: 4*2=8; 3+8=11; 11-5=6. #### 6"
+    assert P.format_example(p, cot=False) == "Q: 3+4*2-5=?\nA: #### 6"
 
 
 def test_arithmetic_problems_are_right_and_seeded():
-    probs = R.arithmetic_problems(50, seed=3, num_ops=(1, 4))
-    assert probs == R.arithmetic_problems(50, seed=3, num_ops=(1, 4))
-    assert probs != R.arithmetic_problems(50, seed=4, num_ops=(1, 4))
+    probs = P.arithmetic_problems(50, seed=3, num_ops=(1, 4))
+    assert probs == P.arithmetic_problems(50, seed=3, num_ops=(1, 4))
+    assert probs != P.arithmetic_problems(50, seed=4, num_ops=(1, 4))
     for p in probs:
         expr = p.question.removesuffix("=?")
         assert int(p.answer) == eval(expr)  # generated digits and + - * only
@@ -36,7 +36,7 @@ def test_arithmetic_problems_are_right_and_seeded():
 
 
 def test_state_problems_are_right():
-    for p in R.state_problems(40, seed=1, num_vars=3, num_steps=(2, 6)):
+    for p in P.state_problems(40, seed=1, num_vars=3, num_steps=(2, 6)):
         init, rest = p.question.split(". ", 1)
         stmts, query = rest.rsplit(". What is ", 1)
         env = {}
@@ -49,7 +49,7 @@ def test_state_problems_are_right():
 
 
 def test_permutation_problems_are_right():
-    for p in R.permutation_problems(40, seed=2, num_items=5):
+    for p in P.permutation_problems(40, seed=2, num_items=5):
         head, rest = p.question.split(". ", 1)
         boxes = head.split(" hold ")[1].split()
         swaps, item = rest.split(". Which box holds ")
@@ -67,28 +67,28 @@ def test_read_gsm8k(tmp_path):
              "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"},
             {"question": "A big one?", "answer": "It is 1000+200=1200.\n#### 1,200"}]
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
-    probs = R.read_gsm8k(str(path))
+    probs = P.read_gsm8k(str(path))
     assert [p.answer for p in probs] == ["72", "1200"]
     assert probs[0].solution == "In May she sold 48/2 = 24 clips.\nIn all 48+24 = 72."
-    assert R.format_target(probs[0]).endswith("72.\n#### 72")
-    assert len(R.read_gsm8k(str(path), limit=1)) == 1
-    assert R.make_problems("gsm8k", 5, data=str(path)) == probs
+    assert P.format_target(probs[0]).endswith("72.\n#### 72")
+    assert len(P.read_gsm8k(str(path), limit=1)) == 1
+    assert P.make_problems("gsm8k", 5, data=str(path)) == probs
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     with pytest.raises(ValueError, match="####"):
-        R.read_gsm8k(str(bad))
+        P.read_gsm8k(str(bad))
     with pytest.raises(FileNotFoundError):
-        R.read_gsm8k(str(tmp_path / "missing.jsonl"))
+        P.read_gsm8k(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="--data"):
-        R.make_problems("gsm8k", 5)
+        P.make_problems("gsm8k", 5)
 
 
 def test_prompt_with_shots():
-    shots = R.arithmetic_problems(2, seed=9)
-    p = R.arithmetic_problems(1, seed=0)[0]
-    prompt = R.format_prompt(p, shots)
+    shots = P.arithmetic_problems(2, seed=9)
+    p = P.arithmetic_problems(1, seed=0)[0]
+    prompt = P.format_prompt(p, shots)
     parts = prompt.split("\n\n")
-    assert parts[0] == R.format_example(shots[0]) and parts[2] == f"Q: {p.question}\nA:"
+    assert parts[0] == P.format_example(shots[0]) and parts[2] == f"Q: {p.question}\nA:"
 
 
 # ----------------------------------------------------------------------------- grading
@@ -201,12 +201,12 @@ def test_evaluate_reasoning_grades_and_counts(model_dir, monkeypatch):
     from fullband.eval.scoring import load_any_model
 
     model, tok = load_any_model(model_dir, device="cpu")
-    problems = R.arithmetic_problems(4, seed=0)
+    problems = P.arithmetic_problems(4, seed=0)
 
     def perfect(model, tokenizer, prompts, mode, max_new_tokens, batch_size, prefill_passes=1):
         out = []
         for k, p in enumerate(problems):  # right answers except problem 1; problem 3 has no marker
-            text = R.format_target(p) if k != 1 else " 1+1=2. #### 999"
+            text = P.format_target(p) if k != 1 else " 1+1=2. #### 999"
             if k == 3:
                 text = f" the answer is {p.answer}"
             out.append(tokenizer.encode(text + "\n", add_special_tokens=False))
@@ -217,7 +217,7 @@ def test_evaluate_reasoning_grades_and_counts(model_dir, monkeypatch):
     assert [r["correct"] for r in records] == [True, False, True, False]
     assert [r["correct_flexible"] for r in records] == [True, False, True, True]
     assert [r["marker_found"] for r in records] == [True, True, True, False]
-    body = tok.encode(R.format_target(problems[0]) + "\n", add_special_tokens=False)
+    body = tok.encode(P.format_target(problems[0]) + "\n", add_special_tokens=False)
     n = records[0]["trace_tokens"]  # the tokens before the one that starts the marker
     assert n >= len(problems[0].solution) // 4
     assert "#" not in tok.decode(body[:n]) and tok.decode(body[:n + 1]).endswith("#")
@@ -230,10 +230,10 @@ def test_real_decoding_in_every_mode(model_dir, plain_dir):
     from fullband.eval.scoring import load_any_model
 
     model, tok = load_any_model(model_dir, device="cpu")
-    problems = R.arithmetic_problems(3, seed=0)
+    problems = P.arithmetic_problems(3, seed=0)
     assert R.available_modes(model) == ("standard", "soft", "fused", "exact")
     assert R.default_modes(model) == ["standard", model.config.default_feedback_mode] == ["standard", "fused"]
-    prompts = [R.format_prompt(p, (), True) for p in problems]
+    prompts = [P.format_prompt(p, (), True) for p in problems]
     for mode in R.available_modes(model):
         records = R.evaluate_reasoning(model, tok, problems, mode, max_new_tokens=6, batch_size=2)
         completions = R.generate_completions(model, tok, prompts, mode, max_new_tokens=6, batch_size=2)

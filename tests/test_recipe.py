@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 import fullband
 from fullband import cli
-from fullband.utils.io import read_jsonl
 from fullband.training.optimizer import clip_gradients
+from fullband.utils.io import read_jsonl
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 

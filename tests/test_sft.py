@@ -17,13 +17,22 @@ from transformers import AutoModelForCausalLM
 import fullband
 from fullband import cli
 from fullband.data.corpus import train_tokenizer
-from fullband.utils.io import read_jsonl
 from fullband.model.modeling import FullBandwidthForCausalLM
+from fullband.training.chat import (
+    CHAT_TEMPLATE,
+    collate,
+    encode_conversation,
+    encode_conversations,
+    load_conversations,
+    read_chat_jsonl,
+    set_chat_template,
+    sft_feedback_mask,
+    split_conversations,
+    synthetic_conversations,
+)
 from fullband.training.presets import backbone_config
-from fullband.training.chat import (CHAT_TEMPLATE, collate, encode_conversation, encode_conversations,
-                                   load_conversations, read_chat_jsonl, set_chat_template, sft_feedback_mask,
-                                   split_conversations, synthetic_conversations)
 from fullband.training.sft import SFTConfig, sft
+from fullband.utils.io import read_jsonl
 
 CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2=?"},
         {"role": "assistant", "content": "1+2=3. #### 3"}, {"role": "user", "content": "and 2*4?"},

@@ -19,11 +19,11 @@ import torch
 
 import fullband
 from fullband import cli
-from fullband.utils.io import read_jsonl
 from fullband.training.checkpoint import find_checkpoint
 from fullband.training.config import TrainConfig, make_config, read_config_file
 from fullband.training.pretrain import train
 from fullband.training.schedule import lr_at
+from fullband.utils.io import read_jsonl
 
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..eval.reasoning import TASKS, make_problems, read_gsm8k, report_markdown, run_reasoning
+from ..eval.problems import TASKS, make_problems, read_gsm8k
+from ..eval.reasoning import report_markdown, run_reasoning
 from ..eval.scoring import load_any_model
 from .eval import show_report
 

@@ -21,15 +21,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..data.corpus import Corpus, Document, pack, tokenize_documents, train_tokenizer
-from ..eval.reasoning import (
-    ANSWER_MARKER,
-    compare_runs,
-    evaluate_reasoning,
-    format_example,
-    make_problems,
-    report_markdown,
-    summarize,
-)
+from ..eval.problems import ANSWER_MARKER, format_example, make_problems
+from ..eval.reasoning import compare_runs, evaluate_reasoning, report_markdown, summarize
 from ..eval.scoring import evaluate_loss
 from ..model.generation import MODES
 from ..model.modeling import load_model

@@ -47,7 +47,7 @@ from ..data.corpus import embedded_corpus, split_documents
 from ..model.configuration import SCORING_MODES, has_feedback
 from ..model.generation import generate, score
 from ..utils.io import atomic_write_text
-from .reasoning import arithmetic_problems, format_target
+from .problems import arithmetic_problems, format_target
 from .scoring import mode_logits
 
 eval_logger = logging.getLogger(__name__)

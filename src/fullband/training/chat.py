@@ -35,7 +35,7 @@ from importlib import resources
 
 import torch
 
-from ..eval.reasoning import format_target, make_problems
+from ..eval.problems import format_target, make_problems
 from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 from ..utils.io import iter_jsonl_objects
 

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from ..data.corpus import batch_rows, load_tokenizer, special_ids
-from ..eval.reasoning import ANSWER_MARKER, extract_answer, grade
+from ..eval.problems import ANSWER_MARKER
+from ..eval.reasoning import extract_answer, grade
 from ..eval.scoring import MODES as EVAL_MODES
 from ..model.feedback import build_feedback_mask
 from ..model.generation import MODES as DECODE_MODES
