@@ -244,6 +244,31 @@ def test_checkpoint_loads_refuse_pickled_objects(finished, tmp_path, capsys):
     assert "\n" not in err and opt in err, err
 
 
+def test_resume_from_a_format_1_checkpoint(data, finished, tmp_path):
+    """Checkpoints written before format 2 (numpy's RNG state as a pickled array) still resume, weights-only with
+    exactly numpy's array reconstruction allowed, to the same losses."""
+    import numpy as np
+
+    out = tmp_path / "old"
+    extra = ["--save-every", "3", "--feedback-start", "0.5", "--deep-fraction", "0.34", "--eval-every", "3"]
+    assert cli.main(args(data, out, *extra, "--stop-after", "3")) == 0
+    ckpt = find_checkpoint(str(out))
+    rng_file = os.path.join(ckpt, "rng-rank0.pt")
+    new = torch.load(rng_file, weights_only=True)
+    py, npy = new["python"], new["numpy"]
+    torch.save({"torch": new["torch"], "prefix": new["prefix"],
+                "python": (py["version"], tuple(py["state"]), py["gauss"]),
+                "numpy": (npy["key"], npy["state"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                          npy["cached_gaussian"])}, rng_file)
+    state_file = os.path.join(ckpt, "trainer_state.json")
+    state = json.loads(open(state_file).read())
+    state["format"] = 1
+    with open(state_file, "w") as f:
+        json.dump(state, f)
+    assert cli.main(["train", "--resume", "--out", str(out), "--no-progress"]) == 0
+    assert losses(out) == losses(finished)
+
+
 # ----------------------------------------------------------------------------------------------- guard
 
 
@@ -392,7 +417,12 @@ def test_quickstart_smoke(tmp_path, capsys):
     for key in ("baseline_val_loss", "fbt_val_loss", "fbt_standard_val_loss", "fbt_passes_val_loss", "fbt_exact_val_loss"):
         assert isinstance(res[key], float)
     assert res["fbt_val_loss"] == res["fbt_exact_val_loss"] and res["eval_tokens"] == 2 * 31
-    assert (out / "report.md").read_text().count("| FBT |") == 3 and (out / "curves.png").is_file()
+    # three whole-row FBT lines (standard, K passes, exact) and one per decode mode after a prompt
+    assert (out / "report.md").read_text().count("| FBT |") == 3 + 4 and (out / "curves.png").is_file()
+    assert [e["mode"] for e in res["decode_table"]] == ["standard", "standard", "soft", "fused", "exact"]
+    for table in (res["table"], res["decode_table"]):  # both gaps, paired over the same rows
+        assert all("delta" in e and "delta_flops" in e for e in table[1:])
+    assert res["baseline_flops_steps"] >= 4 and set(res["targets"]) >= {"no_mode_collapses", "exact_minus_passes"}
     from transformers import AutoModelForCausalLM
 
     assert res["fbt_minus_baseline"]["exact"]["estimate"] == pytest.approx(res["fbt_val_loss"] - res["baseline_val_loss"])

@@ -50,17 +50,27 @@ from ..utils.stats import bootstrap_ci
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240, batch_size=16, seq_len=256,
                 vocab_size=4096, seed=0, feedback_start=0.75, num_passes=2, eval_rows=128, samples=3,
-                sample_tokens=48, prompt_tokens=24)
+                sample_tokens=48, prompt_tokens=24, score_prompt=None)
+# The recipe (chosen by `fullband experiment recipe`, see the README): the LR schedule both runs share, and the
+# feedback settings of the FBT run.
+SCHEDULE = dict(lr_schedule="cosine")
+FEEDBACK = dict(fusion="glu")
+# the most a feedback mode may lose to the same model's standard mode before it counts as collapsed (nats/token)
+COLLAPSE = 0.1
 
 
 def _configs(args):
     common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
                   progress=not args.no_progress, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
-                  device=args.device, save_every=0)
+                  device=args.device, save_every=0, **SCHEDULE)
     base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
-    fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
-    return base, fbt
+    fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common, **FEEDBACK)
+    # the baseline given as many training FLOPs as the FBT run (every pass counted): more steps, same schedule shape
+    flops_steps = math.ceil(sum(fbt.schedule().passes_at(i, fbt.steps) for i in range(fbt.steps)))
+    flops = TrainConfig(out=os.path.join(args.out, "baseline-flops"), num_passes=1, deep_passes=1,
+                        **{**common, "steps": flops_steps})
+    return base, fbt, flops
 
 
 def copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
@@ -115,14 +125,75 @@ def _loadavg() -> float | None:
         return None
 
 
+def _ci(d: dict | None) -> str:
+    return "" if d is None else f"{d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
+
+
 def _table(rows: list[dict]) -> str:
-    lines = ["| model | mode | val loss (nats/token) | perplexity | Δ vs baseline [95% CI] |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    prompt = rows[0]["prompt_tokens"]
+    what = (f"continuation after a {prompt}-token prompt, {rows[0]['tokens']:,} tokens" if prompt
+            else f"whole rows, {rows[0]['tokens']:,} tokens")
+    lines = [f"| model | mode ({what}) | val loss (nats/token) | perplexity | Δ vs baseline, equal tokens [95% CI] | "
+             "Δ vs baseline, equal FLOPs [95% CI] |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        d = r.get("delta")
-        delta = "" if d is None else f"{d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
-        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {delta} |")
+        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {_ci(r.get('delta'))} "
+                     f"| {_ci(r.get('delta_flops'))} |")
+    if "flops_baseline_loss" in rows[0]:
+        lines.append(f"| baseline-flops | standard (FBT's training FLOPs) | {rows[0]['flops_baseline_loss']:.4f} | "
+                     f"{math.exp(min(rows[0]['flops_baseline_loss'], 50.0)):.2f} | | |")
     return "\n".join(lines)
+
+
+def _score_table(plan, rows, K: int, prompt: int, baseline_flops, seed: int) -> list[dict]:
+    """Per (model, mode) the mean held-out loss of ``rows`` (tokens after ``prompt``), with the paired difference to
+    the first line's model (equal tokens) and to ``baseline_flops`` (equal training FLOPs): percentile bootstraps
+    over rows of the per-row differences."""
+    out, base_rows = [], None
+    flops_rows = row_losses(baseline_flops, rows, "standard", prompt_length=prompt) if baseline_flops is not None else None
+    tokens = int(rows[:, max(1, prompt):].numel())
+    for model_name, model, label, mode in plan:
+        per_row = row_losses(model, rows, mode, num_passes=K, prompt_length=prompt)
+        loss = float(per_row.mean())
+        entry = {"model": model_name, "label": label, "mode": mode, "num_passes": K if mode == "passes" else None,
+                 "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "prompt_tokens": prompt}
+        if base_rows is None:
+            base_rows = per_row
+            if flops_rows is not None:
+                entry["flops_baseline_loss"] = float(flops_rows.mean())
+        else:
+            entry["delta"] = bootstrap_ci((per_row - base_rows).tolist(), seed=seed).as_dict()
+            if flops_rows is not None:
+                entry["delta_flops"] = bootstrap_ci((per_row - flops_rows).tolist(), seed=seed).as_dict()
+        out.append(entry)
+    return out
+
+
+def _targets(table_rows: list[dict], decode_rows: list[dict]) -> dict:
+    """The recipe's targets for the FBT model, checked on held-out text."""
+    fbt = {e["mode"]: e["loss"] for e in table_rows if e["model"] == "FBT"}
+    dec = {e["mode"]: e["loss"] for e in decode_rows if e["model"] == "FBT"}
+    feedback = {f"{m} (decode)": v for m, v in dec.items() if m != "standard"}
+    feedback.update({"passes": fbt["passes"], "exact": fbt["exact"]})
+    best_mode = min(feedback, key=feedback.get)
+    std = {"passes": fbt["standard"], "exact": fbt["standard"]}
+    worst = max(v - (std.get(m) if m in std else dec["standard"]) for m, v in feedback.items())
+    return {
+        "best_feedback_mode": best_mode,
+        "best_feedback_not_worse_than_standard": feedback[best_mode] <= (dec["standard"] if "decode" in best_mode
+                                                                       else fbt["standard"]),
+        "exact_minus_passes": fbt["exact"] - fbt["passes"],
+        "exact_within_0.02_of_passes": abs(fbt["exact"] - fbt["passes"]) <= 0.02,
+        "worst_feedback_mode_minus_standard": worst,
+        "no_mode_collapses": worst <= COLLAPSE,
+    }
+
+
+def _targets_text(t: dict) -> str:
+    ok = lambda b: "met" if b else "NOT met"  # noqa: E731
+    return (f"Targets: best feedback mode ({t['best_feedback_mode']}) <= FBT standard: "
+            f"{ok(t['best_feedback_not_worse_than_standard'])}; exact - K-pass = {t['exact_minus_passes']:+.4f} "
+            f"(within 0.02: {ok(t['exact_within_0.02_of_passes'])}); worst feedback mode - standard = "
+            f"{t['worst_feedback_mode_minus_standard']:+.4f} (no collapse, <= {COLLAPSE}: {ok(t['no_mode_collapses'])}).")
 
 
 def run_quickstart(args) -> dict:
@@ -136,9 +207,13 @@ def run_quickstart(args) -> dict:
         raise ValueError("--samples must be >= 0, --sample-tokens and --prompt-tokens >= 1")
     if args.num_passes < 2:
         raise ValueError(f"--num-passes must be >= 2 for the FBT model, got {args.num_passes}")
-    base_cfg, fbt_cfg = _configs(args)
-    base_cfg.validate()
-    fbt_cfg.validate()
+    if args.score_prompt is None:  # a quarter of a row, at most 32 tokens
+        args.score_prompt = max(1, min(32, args.seq_len // 4))
+    if not 1 <= args.score_prompt < args.seq_len - 1:
+        raise ValueError(f"--score-prompt must be in [1, --seq-len - 1), got {args.score_prompt}")
+    base_cfg, fbt_cfg, flops_cfg = _configs(args)
+    for c in (base_cfg, fbt_cfg, flops_cfg):
+        c.validate()
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
     # ---- data (once, for both runs)
@@ -162,12 +237,14 @@ def run_quickstart(args) -> dict:
     else:
         base_sum = train(base_cfg, overwrite=True, corpus=corpus, name="baseline")
         fbt_sum = train(fbt_cfg, overwrite=True, corpus=corpus, name="fbt")
+    flops_sum = (train(flops_cfg, overwrite=True, corpus=corpus, name="baseline (FBT's training FLOPs)")
+                 if not args.no_flops_baseline else None)
     t_train = time.perf_counter() - t
-    for s in (base_sum, fbt_sum):
-        if s["status"] != "done":
+    for s in (base_sum, fbt_sum, flops_sum):
+        if s is not None and s["status"] != "done":
             raise RuntimeError(f"training did not finish: {s['message']}")
-    # the checkpoints served their purpose; the final models are in baseline/ and fbt/
-    for d in (base_cfg.out, fbt_cfg.out):
+    # the checkpoints served their purpose; the final models are in baseline/, fbt/ and baseline-flops/
+    for d in (base_cfg.out, fbt_cfg.out, flops_cfg.out):
         shutil.rmtree(os.path.join(d, "checkpoints"), ignore_errors=True)
 
     # ---- evaluation: the saved models, reloaded (checks they load), on the same held-out rows
@@ -178,21 +255,17 @@ def run_quickstart(args) -> dict:
     say(f"quickstart: evaluating on {rows.shape[0]} of {corpus.val_rows.shape[0]} held-out rows "
         f"({rows[:, 1:].numel():,} predicted tokens)")
     K = args.num_passes
+    baseline_flops = None if args.no_flops_baseline else load_any_model(flops_cfg.out, device="cpu")[0]
+    # whole rows (every token after the first): the K-pass and exact figures of training's objective
     plan = [("baseline", baseline, "standard", "standard"),
             ("FBT", fbt, "standard (K=1, no feedback)", "standard"),
             ("FBT", fbt, f"passes (K={K}, teacher-forced)", "passes"),
             ("FBT", fbt, "exact (token-by-token recurrence)", "exact")]
-    table_rows, base_rows = [], None
-    for model_name, model, label, mode in plan:
-        per_row = row_losses(model, rows, mode, num_passes=K)
-        loss = float(per_row.mean())
-        entry = {"model": model_name, "label": label, "mode": mode, "num_passes": K if mode == "passes" else None,
-                 "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(rows[:, 1:].numel())}
-        if base_rows is None:
-            base_rows = per_row
-        else:  # paired over the same rows: a percentile bootstrap over rows of the per-row differences
-            entry["delta"] = bootstrap_ci((per_row - base_rows).tolist(), seed=args.seed).as_dict()
-        table_rows.append(entry)
+    table_rows = _score_table(plan, rows, K, 0, baseline_flops, args.seed)
+    # continuations after a prompt, as decoding sees them: every decode mode on the same tokens
+    decode_plan = [("baseline", baseline, "standard", "standard")] + [
+        ("FBT", fbt, mode, mode) for mode in MODES]
+    decode_rows = _score_table(decode_plan, rows, K, args.score_prompt, baseline_flops, args.seed)
     t_eval = time.perf_counter() - t
 
     # ---- samples
@@ -221,6 +294,13 @@ def run_quickstart(args) -> dict:
         "eval_rows": int(rows.shape[0]), "val_rows": int(corpus.val_rows.shape[0]),
         "eval_tokens": by["baseline"]["tokens"],
         "table": table_rows,
+        "decode_table": decode_rows,
+        "score_prompt": args.score_prompt,
+        "fbt_minus_baseline_flops": {e["mode"]: e.get("delta_flops") for e in table_rows if e["model"] == "FBT"},
+        "baseline_flops_steps": None if args.no_flops_baseline else flops_cfg.steps,
+        "baseline_flops_val_loss": table_rows[0].get("flops_baseline_loss"),
+        "targets": _targets(table_rows, decode_rows),
+        "recipe": {**SCHEDULE, **FEEDBACK},
         "train_tokens_per_model": base_cfg.steps * base_cfg.batch_size * base_cfg.seq_len,
         "steps": base_cfg.steps, "batch_size": base_cfg.batch_size, "seq_len": base_cfg.seq_len,
         "preset": args.preset, "parameters": sum(p.numel() for p in baseline.parameters()),
@@ -236,7 +316,7 @@ def run_quickstart(args) -> dict:
         "samples": samples, "sampling": how, "fbt_default_mode": fbt.config.default_feedback_mode,
     }
     atomic_write_json(os.path.join(args.out, "results.json"), results)
-    table = _table(table_rows)
+    table = _table(table_rows) + "\n\n" + _table(decode_rows) + "\n\n" + _targets_text(results["targets"])
     atomic_write_text(os.path.join(args.out, "report.md"), _report(results, table, args))
     print(table)
     print(f"\nbaseline {results['baseline_val_loss']:.4f} vs FBT (exact) {results['fbt_val_loss']:.4f} nats/token on "
@@ -258,11 +338,14 @@ def _report(res: dict, table: str, args) -> str:
         f"each trained for {res['steps']} steps x {res['batch_size']} rows x {res['seq_len']} tokens = "
         f"{res['train_tokens_per_model']:,} tokens of the embedded Shakespeare corpus "
         f"({res['train_documents']} works, {res['corpus_train_tokens']:,} tokens), same seed ({res['seed']}), "
-        f"same data order, same backbone config, peak LR {res['lr']:g} (cosine).",
+        f"same data order, same backbone config, peak LR {res['lr']:g} ({res['recipe']['lr_schedule']}).",
         "",
         f"FBT recipe: plain (K=1) for the first {res['feedback_start_step']} steps, then K={res['num_passes']} with "
         f"{res['deep_fraction']:.0%} of the feedback steps at K={res['deep_passes']}, prefix mixing "
-        f"p={res['prefix_mix']}, jitter {res['jitter']}, fusion LR multiplier {res['fusion_lr_mult']}.",
+        f"p={res['prefix_mix']}, jitter {res['jitter']}; recipe {res['recipe']}.",
+        (f"A third run, `baseline-flops`, is the baseline trained for {res['baseline_flops_steps']} steps: as many "
+         "training FLOPs as the FBT run (every pass counted), for the equal-FLOPs column."
+         if res["baseline_flops_steps"] else "No equal-FLOPs baseline was trained (--no-flops-baseline)."),
         (f"The first {res['shared_prefix_steps']} steps are identical for both runs (K=1, same seed and data, no random "
          "draws) and were trained once: the FBT run continued from the baseline's checkpoint at that step."
          if res["shared_prefix_steps"] else "Both runs were trained from scratch."),
@@ -332,6 +415,11 @@ def add_parser(sub) -> None:
     p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="held-out prompts to sample from")
     p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"], help="new tokens per sample")
     p.add_argument("--prompt-tokens", type=int, default=DEFAULTS["prompt_tokens"], help="prompt length in tokens")
+    p.add_argument("--score-prompt", type=int, default=DEFAULTS["score_prompt"],
+                   help="prompt tokens before the scored continuation in the decode-mode table (default: a quarter of a row, "
+                        "at most 32)")
+    p.add_argument("--no-flops-baseline", action="store_true",
+                   help="skip the baseline trained for as many FLOPs as the FBT run (no equal-FLOPs comparison)")
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT model from scratch instead of branching it off the baseline at the feedback start")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
