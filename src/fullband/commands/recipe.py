@@ -43,11 +43,11 @@ from transformers.utils import logging as hf_logging
 
 from ..eval.flops import flop_parameters, training_flops
 from ..eval.scoring import load_any_model, row_losses
+from ..model.configuration import has_feedback
 from ..training.config import TrainConfig
 from ..training.distributed import resolve_device
 from ..training.presets import get_preset
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
-from ..training.schedule import FeedbackSchedule
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
 from ..utils.stats import bootstrap_ci
 
@@ -96,22 +96,14 @@ FLOPS_BASELINE = "baseline-flops"
 FBT_MODES = (("standard", 1), ("passes", 2), ("passes", 3), ("exact", None), ("soft", None), ("fused", None))
 
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "recipe"), preset="tiny", trunk_steps=250, branch_steps=100,
-                batch_size=16, seq_len=128, vocab_size=4096, seeds="0,1", eval_rows=64, prompt_tokens=32)
+                batch_size=16, seq_len=128, vocab_size=4096, seeds="0,1", eval_rows=64, prompt_tokens=32,
+                flops_multiplier=2.3)
 QUICK = dict(preset="micro", trunk_steps=6, branch_steps=4, batch_size=4, seq_len=32, vocab_size=300, eval_rows=4,
              prompt_tokens=8)
 
 
 def mode_key(mode: str, k: int | None) -> str:
     return f"K={k}" if mode == "passes" else mode
-
-
-def mean_passes(settings: dict, steps: int) -> float:
-    """Mean K over a branch of ``steps`` steps with feedback from step 0."""
-    if settings.get("num_passes", 2) == 1:
-        return 1.0
-    s = FeedbackSchedule(0.0, settings.get("num_passes", 2), settings.get("deep_passes", 4),
-                         settings.get("deep_fraction", 0.1))
-    return sum(s.passes_at(i, steps) for i in range(steps)) / steps
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -142,44 +134,78 @@ def switch_on_stats(records: list[dict], first: int = 10) -> dict | None:
             "last_mean_grad_norm": sum(r["grad_norm"] for r in tail) / len(tail)}
 
 
+_NOT_TRAJECTORY = ("progress", "tensorboard", "plot", "device", "eval_every", "eval_rows", "save_every",
+                   "keep_checkpoints", "stop_after")
+
+
+def finished(cfg: TrainConfig) -> bool:
+    """Whether ``cfg.out`` holds a finished run of exactly this configuration (a re-run of the experiment, or a
+    second invocation with other arms or seeds, reuses it instead of training it again)."""
+    try:
+        with open(os.path.join(cfg.out, "summary.json")) as f:
+            done = json.load(f).get("status") == "done"
+        with open(os.path.join(cfg.out, "run_config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_TRAJECTORY}
+    return done and all(saved.get(k) == v for k, v in mine.items())
+
+
+def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
+    """Per-row losses of a finished run in every mode it has (cached in ``OUT/recipe_eval.json``, keyed by what
+    was scored), its training FLOPs and its switch-on statistics."""
+    key = {"eval_rows": int(rows.shape[0]), "seq_len": int(rows.shape[1]), "prompt_tokens": args.prompt_tokens,
+           "rows_sum": int(rows.sum())}
+    path = os.path.join(cfg.out, "recipe_eval.json")
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        if cached.get("key") == key:
+            return cached["result"]
+    except (OSError, ValueError):
+        pass
+    model = load_any_model(cfg.out, device=args.device_resolved)[0]
+    records = read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
+    fl = training_flops(records, cfg.batch_size * cfg.seq_len, cfg.seq_len, flop_parameters(model))
+    feedback = has_feedback(model)
+    t = time.perf_counter()
+    losses = {mode_key(mode, k): row_losses(model, rows, mode, num_passes=k or 1,
+                                            prompt_length=args.prompt_tokens).tolist()
+              for mode, k in (FBT_MODES if feedback else (("standard", 1),))}
+    result = {"steps": cfg.steps, "flops": fl["flops"], "passes": fl["passes"], "tokens": fl["tokens"],
+              "losses": losses, "eval_seconds": time.perf_counter() - t,
+              "train_seconds": records[-1].get("elapsed") if records else None,
+              "switch_on": switch_on_stats(records) if feedback else None,
+              "skipped_steps": sum(1 for r in records if r.get("skipped"))}
+    atomic_write_json(path, {"key": key, "result": result})
+    return result
+
+
 def run_seed(args, seed: int, arms: list[Arm], say) -> dict:
-    """Trunk, every arm and the FLOP-matched baseline of one seed; per-row losses of each (run, mode)."""
+    """Trunk, every arm and the FLOP-matched baseline of one seed (finished runs are reused); per-row losses of
+    each (run, mode)."""
     root = os.path.join(args.out, f"seed{seed}")
     peak = args.lr or get_preset(args.preset).lr
     trunk_cfg = _config(args, os.path.join(root, "trunk"), args.trunk_steps, seed, num_passes=1, lr=peak,
                         lr_schedule="constant", warmup_fraction=0.05)
     trunk_cfg.validate()
     corpus = build_tokenizer_and_corpus(trunk_cfg)
-    say(f"recipe: seed {seed}: trunk, {args.trunk_steps} plain steps")
-    _train(trunk_cfg, corpus, f"seed {seed} trunk")
-    flops_mult = max(mean_passes(a.settings, args.branch_steps) for a in arms)
+    if not finished(trunk_cfg):
+        say(f"recipe: seed {seed}: trunk, {args.trunk_steps} plain steps")
+        _train(trunk_cfg, corpus, f"seed {seed} trunk")
     plan = [(a.name, a.settings, a.lr_scale, args.branch_steps) for a in arms]
-    plan.append((FLOPS_BASELINE, dict(num_passes=1, **_WSD), 1.0, math.ceil(args.branch_steps * flops_mult * 1.02)))
+    plan.append((FLOPS_BASELINE, dict(num_passes=1, **_WSD), 1.0, math.ceil(args.branch_steps * args.flops_multiplier)))
     rows = spread_rows(corpus.val_rows, args.eval_rows)
     runs = {}
     for name, settings, lr_scale, steps in plan:
         cfg = _config(args, os.path.join(root, name), steps, seed, init_from=trunk_cfg.out, feedback_start=0.0,
                       lr=peak * lr_scale, data_offset=args.trunk_steps, **settings)
         cfg.validate()
-        say(f"recipe: seed {seed}: {name}, {steps} steps")
-        t = time.perf_counter()
-        _train(cfg, corpus, f"seed {seed} {name}")
-        train_s = time.perf_counter() - t
-        model = load_any_model(cfg.out, device=args.device_resolved)[0]
-        records = read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
-        fl = training_flops(records, cfg.batch_size * cfg.seq_len, cfg.seq_len, flop_parameters(model))
-        feedback = hasattr(model, "feedback")
-        modes = FBT_MODES if feedback else (("standard", 1),)
-        losses = {}
-        t = time.perf_counter()
-        for mode, k in modes:
-            per_row = row_losses(model, rows, mode, num_passes=k or 1, prompt_length=args.prompt_tokens)
-            losses[mode_key(mode, k)] = per_row.tolist()
-        runs[name] = {"steps": steps, "flops": fl["flops"], "passes": fl["passes"], "tokens": fl["tokens"],
-                      "losses": losses, "train_seconds": train_s, "eval_seconds": time.perf_counter() - t,
-                      "switch_on": switch_on_stats(records) if feedback else None,
-                      "skipped_steps": sum(1 for r in records if r.get("skipped"))}
-        del model
+        if not finished(cfg):
+            say(f"recipe: seed {seed}: {name}, {steps} steps")
+            _train(cfg, corpus, f"seed {seed} {name}")
+        runs[name] = evaluate_run(cfg, rows, args)
     return {"seed": seed, "runs": runs, "eval_rows": int(rows.shape[0]),
             "scored_tokens": int(rows.shape[0] * (rows.shape[1] - args.prompt_tokens))}
 
@@ -414,6 +440,9 @@ def add_parser(ex) -> None:
     r.add_argument("--seeds", default=DEFAULTS["seeds"], help="comma-separated seeds (default: 0,1)")
     r.add_argument("--arms", default=None, help="comma-separated arms (default: all but concat-warm); one of "
                                                  + ", ".join(ARM_BY_NAME))
+    r.add_argument("--flops-multiplier", type=float, default=DEFAULTS["flops_multiplier"],
+                   help="steps of the FLOP-matched baseline as a multiple of --branch-steps (its FLOPs bound the "
+                        "equal-FLOPs comparison; an arm costlier than that is reported out of range)")
     r.add_argument("--eval-rows", type=int, default=DEFAULTS["eval_rows"], help="held-out rows scored")
     r.add_argument("--prompt-tokens", type=int, default=DEFAULTS["prompt_tokens"],
                    help="prompt length before the scored continuation of each row")

@@ -12,7 +12,8 @@ atomically afterwards; the oldest beyond ``--keep-checkpoints`` removed):
 
 Every file is read back with ``torch.load(..., weights_only=True)`` (or safetensors / JSON), so loading a
 checkpoint never runs pickled code; a missing, truncated or corrupt file is a ``ValueError`` naming it
-(:func:`load_checkpoint`, :func:`load_trainer_state`). Also the run directory's other names (:data:`METRICS`,
+(:func:`load_checkpoint`, :func:`load_trainer_state`). Checkpoints of format 1 (numpy's RNG state as a pickled
+array) still load weights-only, with exactly numpy's array reconstruction allowed (:func:`load_legacy_rng`). Also the run directory's other names (:data:`METRICS`,
 :data:`TOKENIZER_DIR`, ...), :func:`prepare_out` (what ``--resume`` / ``--overwrite`` find there) and
 :func:`clear_outputs`.
 """
@@ -41,7 +42,7 @@ RUN_CONFIG = "run_config.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
-FORMAT = 2  # 2: RNG states as tensors / lists / numbers (weights_only loads); 1: pickled numpy and tuples
+FORMAT = 2  # 2: RNG states as tensors / lists / numbers; 1: numpy's state as a pickled array (:func:`load_legacy_rng`)
 # what --overwrite removes (only these names, never anything else in OUT)
 RUN_OUTPUTS = (CKPT_DIR, METRICS, "tb", "curves.png", RUN_CONFIG, TOKENIZER_DIR, "summary.json", "config.json",
                "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -205,7 +206,7 @@ def load_trainer_state(path: str) -> dict:
             state = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise _unreadable(file, err) from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("config"), dict):
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("config"), dict)):
         raise ValueError(f"checkpoint file {file!r} is corrupt or truncated (no step and config in it)")
     return state
 
@@ -232,17 +233,44 @@ def load_model_state(path: str) -> dict[str, torch.Tensor]:
         raise _unreadable(file, err) from None
 
 
+def _numpy_array_globals() -> list:
+    """The numpy names an array pickled by ``torch.save`` refers to (``numpy._core`` in numpy 2, ``core`` in 1)."""
+    core = getattr(np, "_core", None) or np.core
+    names = [np.ndarray, np.dtype, core.multiarray._reconstruct]
+    if hasattr(np, "dtypes"):  # numpy >= 1.25 pickles the dtype's class
+        names.append(type(np.dtype(np.uint32)))
+    return names
+
+
+def load_legacy_rng(file: str) -> dict:
+    """A format-1 RNG file (numpy's state pickled as an array, Python's as a tuple), still loaded weights-only with
+    exactly numpy's array reconstruction allowed, converted to :func:`rng_state`'s form."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint file {file!r} does not exist")
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            old = torch.load(file, map_location="cpu", weights_only=True)
+        version, mt, gauss = old["python"]
+        key, keys, pos, has_gauss, cached = old["numpy"]
+        state = {"torch": old["torch"], "prefix": old["prefix"],
+                 "python": {"version": int(version), "state": [int(x) for x in mt], "gauss": gauss},
+                 "numpy": {"key": str(key), "state": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    except Exception as err:  # noqa: BLE001 - every failure to read the file is the file's problem
+        raise _unreadable(file, err) from None
+    if "cuda" in old:
+        state["cuda"] = list(old["cuda"])
+    return state
+
+
 def load_checkpoint(path: str, rank: int = 0) -> dict:
     """Everything a resumed run needs from checkpoint ``path``, read and checked before anything is changed:
     ``{"state", "model", "optimizer", "rng"}`` (``rng``: this rank's, else rank 0's)."""
     state = load_trainer_state(path)
-    if state.get("format", 1) < FORMAT:
-        raise ValueError(f"checkpoint {path!r} was written by an older fullband (format {state.get('format', 1)}) "
-                         "whose RNG file needs an unsafe pickle load; start the run again")
     rng_file = os.path.join(path, rng_file_name(rank))
     if not os.path.exists(rng_file):
         rng_file = os.path.join(path, rng_file_name(0))
-    rng = safe_torch_load(rng_file)
+    rng = safe_torch_load(rng_file) if state.get("format", 1) >= FORMAT else load_legacy_rng(rng_file)
     if not isinstance(rng, dict) or not {"torch", "prefix", "python", "numpy"} <= set(rng):
         raise ValueError(f"checkpoint file {rng_file!r} is corrupt (not an RNG state)")
     optimizer = safe_torch_load(os.path.join(path, OPTIMIZER_FILE))
