@@ -309,3 +309,20 @@ def test_auto_registration():
 
     assert AutoConfig.for_model("fullband").__class__ is FullBandwidthConfig
     assert fullband.FullBandwidthForCausalLM in AutoModelForCausalLM._model_mapping.values()
+
+
+def test_a_truncated_checkpoint_gives_a_one_line_error_naming_the_file(tmp_path, capsys):
+    from conftest import save_model_dir
+
+    from fullband import cli
+
+    path = save_model_dir(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    capsys.readouterr()
+    for cmd in (["info", "--model", path], ["generate", "--model", path, "--prompt", "To be"],
+                ["eval", "--model", path, "--max-rows", "1"]):
+        rc = cli.main(cmd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, (cmd, err)
+        assert str(weights) in err[0] and "truncated or corrupt" in err[0]

@@ -343,4 +343,6 @@ def load_model(path: str, **kwargs):
         return cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"could not load the model in {path!r} (is a weights file truncated or corrupt?): {msg}") from None
+        weights = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        where = os.path.join(path, weights[0]) if len(weights) == 1 else path
+        raise ValueError(f"could not load the model from {where!r} (truncated or corrupt?): {msg}") from None
