@@ -168,6 +168,13 @@ def _save_figure(fig, path: str) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _curves(per_model: dict):
+    """``(data, label, line style, colour)`` of the FBT model and the baseline, for those present."""
+    for who, label, style, color in (("fbt", "FBT", "-o", "C0"), ("baseline", "baseline", "--s", "C1")):
+        if who in per_model:
+            yield per_model[who], label, style, color
+
+
 def make_plots(results: dict, out_dir: str) -> list[str]:
     """The four PNGs; returns their file names."""
     from matplotlib.figure import Figure
@@ -209,12 +216,10 @@ def make_plots(results: dict, out_dir: str) -> list[str]:
     titles = {"next_token": "(a) next token — accuracy", "two_ahead": "(b) token two ahead — accuracy",
               "prev_state": "(c) previous top-layer state — R²"}
     for ax, target in zip(axes, PROBE_TARGETS):
-        for who, style in (("fbt", "-o"), ("baseline", "--s")):
-            if who in probes:
-                p = probes[who]
-                ax.plot(p["layers"], p[target], style, label="FBT" if who == "fbt" else "baseline", ms=4)
-                if target != "prev_state":
-                    ax.axhline(p[f"{target}_chance"], color="C0" if who == "fbt" else "C1", lw=0.7, ls=":")
+        for p, label, style, color in _curves(probes):
+            ax.plot(p["layers"], p[target], style, label=label, ms=4)
+            if target != "prev_state":
+                ax.axhline(p[f"{target}_chance"], color=color, lw=0.7, ls=":")
         ax.set_title(titles[target])
         ax.set_xlabel("layer (0 = embedding output)")
         ax.legend()
@@ -224,11 +229,9 @@ def make_plots(results: dict, out_dir: str) -> list[str]:
     lens = results["logit_lens"]
     fig = Figure(figsize=(10, 4))
     ax1, ax2 = fig.subplots(1, 2)
-    for who, style in (("fbt", "-o"), ("baseline", "--s")):
-        if who in lens:
-            label = "FBT" if who == "fbt" else "baseline"
-            ax1.plot(lens[who]["layers"], lens[who]["loss"], style, label=label, ms=4)
-            ax2.plot(lens[who]["layers"], lens[who]["accuracy"], style, label=label, ms=4)
+    for lensed, label, style, _ in _curves(lens):
+        ax1.plot(lensed["layers"], lensed["loss"], style, label=label, ms=4)
+        ax2.plot(lensed["layers"], lensed["accuracy"], style, label=label, ms=4)
     ax1.set_title("Logit lens: next-token loss")
     ax1.set_ylabel("nats")
     ax2.set_title("Logit lens: top-1 accuracy")
