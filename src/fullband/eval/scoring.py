@@ -1,17 +1,14 @@
-"""Held-out language-model loss of a model, per decode mode, and the ``fullband eval`` command.
+"""Held-out language-model loss of a model in any mode: the one map from a mode to the model call.
 
-Owns :func:`evaluate_loss`: mean next-token cross-entropy (nats per predicted token) over packed rows, for a plain
-Hugging Face causal LM or a fullband model in one of the modes
-
-* ``standard`` — no feedback (one ordinary pass, K = 1);
-* ``passes`` — the K-pass teacher-forced forward used in training (``num_passes=K``);
-* ``exact`` — the true token-by-token recurrence (:meth:`FullBandwidthForCausalLM.recurrent_forward`), which is
-  what decoding runs; K-pass figures need not carry over to it, so report both.
-
-and around it :func:`evaluation_rows` (the held-out text, split exactly as training splits it),
-:func:`evaluate_model` (every mode of one model into one report), :func:`report_markdown`, :func:`load_any_model`
-(a fullband directory or a plain Hugging Face causal-LM directory), :func:`write_report` (JSON + markdown, each
-written atomically) and the ``fullband eval`` sub-command.
+Owns :func:`mode_logits` (whole rows: ``standard`` = one ordinary pass; ``passes`` = the K-pass teacher-forced
+forward of training; ``exact`` = the token-by-token recurrence decoding runs -- K-pass figures need not carry over to
+it, so report both) and :func:`token_nll` (per-token loss in any scoring mode, ``soft`` / ``fused`` scoring a
+continuation after a prompt as decoding sees it), which evaluation, the quickstart, the experiments, SFT evaluation
+and the lm-eval adapter all call; around them :func:`row_losses` / :func:`evaluate_loss` (per row / mean over packed
+rows), :func:`evaluation_rows` (the held-out text, split exactly as training splits it, with
+:func:`split_settings` reading a run's own split), :func:`evaluate_model` (every mode of one model into one
+report), :func:`report_markdown`, :func:`load_any_model` (a fullband or plain Hugging Face directory, with its
+tokenizer) and :func:`write_report` (JSON + markdown, each written atomically).
 """
 
 from __future__ import annotations
@@ -34,7 +31,8 @@ MODES = ("standard", "passes", "exact")  # the whole-row modes a report covers (
 
 
 @torch.no_grad()
-def mode_logits(model, ids: torch.Tensor, mode: str = "standard", num_passes: int = 2) -> torch.Tensor:
+def mode_logits(model, ids: torch.Tensor, mode: str = "standard", num_passes: int = 2,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[B, T, V]`` of whole rows in a whole-row mode: ``standard`` (one plain pass), ``passes`` (the K-pass
     teacher-forced forward) or ``exact`` (the token-by-token recurrence). A plain model allows ``standard`` only."""
     if mode not in MODES:
@@ -42,10 +40,10 @@ def mode_logits(model, ids: torch.Tensor, mode: str = "standard", num_passes: in
     if mode != "standard" and not has_feedback(model):
         raise ValueError(f"mode {mode!r} needs a fullband model (one with latent feedback); this one has none")
     if mode == "exact":
-        return model.recurrent_forward(ids).logits
+        return model.recurrent_forward(ids, attention_mask).logits
     if has_feedback(model):
-        return model(ids, num_passes=num_passes if mode == "passes" else 1).logits
-    return model(input_ids=ids).logits
+        return model(ids, attention_mask=attention_mask, num_passes=num_passes if mode == "passes" else 1).logits
+    return (model(input_ids=ids) if attention_mask is None else model(input_ids=ids, attention_mask=attention_mask)).logits
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from ..data.corpus import batch_rows, load_tokenizer, special_ids
 from ..eval.problems import ANSWER_MARKER
 from ..eval.reasoning import extract_answer, grade
 from ..eval.scoring import MODES as EVAL_MODES
+from ..eval.scoring import mode_logits
 from ..model.feedback import build_feedback_mask
 from ..model.generation import MODES as DECODE_MODES
 from ..model.generation import generate
@@ -223,11 +224,7 @@ def evaluate_sft_loss(model, enc: Encoded, mode: str = "standard", num_passes: i
     try:
         for i in range(0, n, batch_size):
             b = {k: v.to(device) for k, v in collate(enc, range(i, min(n, i + batch_size)), pad).items()}
-            if mode == "exact":
-                logits = model.recurrent_forward(b["input_ids"], b["attention_mask"]).logits
-            else:
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                               num_passes=num_passes if mode == "passes" else 1).logits
+            logits = mode_logits(model, b["input_ids"], mode, num_passes, b["attention_mask"])
             targets = b["labels"][:, 1:]
             total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
                                            ignore_index=-100, reduction="sum"))
