@@ -28,9 +28,10 @@ def identity_layers(backbone):
     return backbone
 
 
-def fbt(backbone, seed=1, **kw):
+def fbt(backbone, seed=1, fusion="glu", **kw):
+    """The paper's GLU entry: these tests construct states and gates with known answers through it."""
     torch.manual_seed(seed)
-    return fullband.FullBandwidthForCausalLM.from_backbone(backbone, **kw).eval()
+    return fullband.FullBandwidthForCausalLM.from_backbone(backbone, fusion=fusion, **kw).eval()
 
 
 def docs_for(ids, n_docs=2):
@@ -299,7 +300,7 @@ def _saved_pair(tmp_path):
     base_dir, fbt_dir = tmp_path / "base", tmp_path / "fbt"
     backbone.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
-    model = fullband.FullBandwidthForCausalLM.from_backbone(backbone)
+    model = fullband.FullBandwidthForCausalLM.from_backbone(backbone, fusion="glu")
     model.save_pretrained(fbt_dir)
     tok.save_pretrained(fbt_dir)
     data = tmp_path / "held_out.jsonl"

@@ -220,7 +220,7 @@ def test_scale_follows_a_large_embedding():
     backbone = tiny_backbone("llama")
     with torch.no_grad():
         backbone.get_input_embeddings().weight.mul_(50)  # like a pretrained model far from RMS 0.02
-    model = FullBandwidthForCausalLM.from_backbone(backbone)
+    model = FullBandwidthForCausalLM.from_backbone(backbone, fusion="glu")
     ids = random_ids(1, 8)
     e = model.get_input_embeddings()(ids)
     u = model.feedback(model(ids).last_hidden_state, e)

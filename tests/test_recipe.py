@@ -167,7 +167,7 @@ def test_fusion_lr_mult_survives_resume(data, tmp_path):
 def test_lambda_ramp_and_fusion_warmup_follow_the_feedback_phase(data, tmp_path):
     out = tmp_path / "run"
     assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--feedback-ramp", "0.6",
-                               "--fusion-warmup", "1", "--deep-fraction", "0", steps=10)) == 0
+                               "--fusion-warmup", "1", "--deep-fraction", "0", "--fusion-lr-mult", "1", steps=10)) == 0
     recs = train_records(out)
     assert [r["feedback_weight"] for r in recs[:5]] == [None] * 5
     assert [r["feedback_weight"] for r in recs[5:]] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])

@@ -162,7 +162,8 @@ def test_loss_is_taken_on_assistant_tokens_only(tokenizer, dirs):
 
 def test_grad_accumulation_matches_full_batch(dirs, tmp_path):
     common = dict(init_from=dirs["fb"], data="example", steps=3, batch_size=4, seq_len=128, progress=False,
-                  tensorboard=False, plot=False, feedback_start=0.3, final_eval=0, gen_eval=0)
+                  tensorboard=False, plot=False, feedback_start=0.3, final_eval=0, gen_eval=0,
+                  fusion_lr_mult=1.0, fusion_warmup=0.0, clip_per_group=False, feedback_ramp=0.0)
     sft(SFTConfig(out=str(tmp_path / "a"), **common))
     sft(SFTConfig(out=str(tmp_path / "b"), grad_accum=2, **common))
     a, b = train_records(tmp_path / "a"), train_records(tmp_path / "b")

@@ -114,7 +114,7 @@ def test_end_to_end(finished):
 
 
 def test_lr_schedules():
-    c = TrainConfig(out="x", steps=100, lr=1.0, warmup_fraction=0.1, min_lr_ratio=0.1)
+    c = TrainConfig(out="x", steps=100, lr=1.0, warmup_fraction=0.1, min_lr_ratio=0.1, lr_schedule="cosine")
     assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
     assert lr_at(99, c) == pytest.approx(0.1) and 0.1 < lr_at(50, c) < 1.0
     w = dataclasses.replace(c, lr_schedule="wsd", decay_fraction=0.2)

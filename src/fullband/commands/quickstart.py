@@ -49,12 +49,12 @@ from ..utils.plotting import plot_loss_curves
 from ..utils.stats import bootstrap_ci
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240, batch_size=16, seq_len=256,
-                vocab_size=4096, seed=0, feedback_start=0.75, num_passes=2, eval_rows=128, samples=3,
+                vocab_size=4096, seed=0, feedback_start=TrainConfig().feedback_start, num_passes=2, eval_rows=128, samples=3,
                 sample_tokens=48, prompt_tokens=24, score_prompt=None)
-# The recipe (chosen by `fullband experiment recipe`, see the README): the LR schedule both runs share, and the
-# feedback settings of the FBT run.
-SCHEDULE = dict(lr_schedule="cosine")
-FEEDBACK = dict(fusion="glu")
+# The recipe is `fullband train`'s defaults (chosen by `fullband experiment recipe`, see the README): both runs share
+# the LR schedule; the report lists these settings of the FBT run.
+RECIPE_FIELDS = ("fusion", "lr_schedule", "decay_fraction", "fusion_lr_mult", "fusion_warmup", "clip_per_group",
+                 "feedback_ramp", "fusion_only")
 # the most a feedback mode may lose to the same model's standard mode before it counts as collapsed (nats/token)
 COLLAPSE = 0.1
 
@@ -63,9 +63,9 @@ def _configs(args):
     common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
                   progress=not args.no_progress, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
-                  device=args.device, save_every=0, **SCHEDULE)
+                  device=args.device, save_every=0)
     base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
-    fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common, **FEEDBACK)
+    fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
     # the baseline given as many training FLOPs as the FBT run (every pass counted): more steps, same schedule shape
     flops_steps = math.ceil(sum(fbt.schedule().passes_at(i, fbt.steps) for i in range(fbt.steps)))
     flops = TrainConfig(out=os.path.join(args.out, "baseline-flops"), num_passes=1, deep_passes=1,
@@ -300,7 +300,7 @@ def run_quickstart(args) -> dict:
         "baseline_flops_steps": None if args.no_flops_baseline else flops_cfg.steps,
         "baseline_flops_val_loss": table_rows[0].get("flops_baseline_loss"),
         "targets": _targets(table_rows, decode_rows),
-        "recipe": {**SCHEDULE, **FEEDBACK},
+        "recipe": {k: getattr(fbt_cfg, k) for k in RECIPE_FIELDS},
         "train_tokens_per_model": base_cfg.steps * base_cfg.batch_size * base_cfg.seq_len,
         "steps": base_cfg.steps, "batch_size": base_cfg.batch_size, "seq_len": base_cfg.seq_len,
         "preset": args.preset, "parameters": sum(p.numel() for p in baseline.parameters()),

@@ -109,11 +109,19 @@ def mode_key(mode: str, k: int | None) -> str:
 # ---------------------------------------------------------------------------------------------- runs
 
 
+# every recipe setting an arm may change, pinned here so that the arms mean the same whatever the defaults of
+# `fullband train` are (the defaults were chosen from this grid); an arm overrides what it names
+_PINNED = dict(fusion="glu", lr_schedule="cosine", warmup_fraction=0.05, decay_fraction=0.2, min_lr_ratio=0.1,
+               num_passes=2, deep_passes=4, deep_fraction=0.1, fusion_lr_mult=1.0, fusion_warmup=0.0,
+               clip_per_group=False, feedback_ramp=0.0, fusion_only=0.0, prefix_mix=0.25, jitter=0.02,
+               feedback_weight=1.0, feedback_start=0.75)
+
+
 def _config(args, out: str, steps: int, seed: int, **extra) -> TrainConfig:
     return TrainConfig(out=out, steps=steps, seed=seed, preset=args.preset, batch_size=args.batch_size,
                        seq_len=args.seq_len, vocab_size=args.vocab_size, device=args.device,
                        progress=not args.no_progress, tensorboard=False, plot=False, save_every=0, eval_every=0,
-                       eval_rows=8, **extra)
+                       eval_rows=8, **{**_PINNED, **extra})
 
 
 def _train(cfg: TrainConfig, corpus, name: str) -> dict:

@@ -49,7 +49,7 @@ class FullBandwidthConfig(PretrainedConfig):
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
 
     text_config: dict | PretrainedConfig | None = None
-    fusion: str = "glu"
+    fusion: str = "residual"
     feedback_weight: float = 1.0
     jitter: float = 0.02
     detach_state: bool = False

@@ -100,7 +100,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         pass
 
     @classmethod
-    def from_backbone(cls, backbone_or_path, fusion: str = "glu", **feedback_kwargs) -> "FullBandwidthForCausalLM":
+    def from_backbone(cls, backbone_or_path, fusion: str = "residual", **feedback_kwargs) -> "FullBandwidthForCausalLM":
         """Retrofit latent feedback onto an existing causal LM (an object, or a local directory).
 
         The backbone's weights are kept as they are; only the fusion module is new. ``feedback_kwargs`` are

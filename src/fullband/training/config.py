@@ -68,31 +68,31 @@ class TrainConfig:
     # ---- model
     preset: str = config_field("tiny", "backbone size from scratch: tiny (~3M), small (~25M), gpt2-small (~125M at a 50k vocabulary); micro (d64, tests)", group="model")
     init_from: str | None = config_field(None, "local HF causal-LM checkpoint to retrofit (or a fullband model to continue) instead of a preset", group="model")
-    fusion: str = config_field("glu", "fusion of h_{t-1} and e_t: glu (paper), concat, add", group="model")
+    fusion: str = config_field("residual", "fusion of h_{t-1} and e_t: residual (u = e + GLU(h, e), measured best), glu (paper), concat, add", group="model")
     feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K)", branch=True, group="model")
     jitter: float = config_field(0.02, "uniform noise on the fed-back state, +-jitter * RMS(state)", branch=True, group="model")
     detach_state: bool = config_field(False, "stop gradients through the fed-back state (cheaper; not in the paper)", branch=True, group="model")
     # ---- optimisation
     lr: float | None = config_field(None, "peak learning rate (default: the preset's, 3e-4 with --init-from)", group="optim")
     min_lr_ratio: float = config_field(0.1, "final LR as a fraction of the peak", group="optim")
-    lr_schedule: str = config_field("cosine", "cosine, wsd (warmup-stable-decay) or constant", group="optim")
+    lr_schedule: str = config_field("wsd", "wsd (warmup-stable-decay: feedback switches on at the full LR), cosine or constant", group="optim")
     warmup_fraction: float = config_field(0.05, "fraction of steps of linear warmup", group="optim")
-    decay_fraction: float = config_field(0.2, "WSD: fraction of steps of the final linear decay", group="optim")
+    decay_fraction: float = config_field(0.1, "WSD: fraction of steps of the final linear decay", group="optim")
     weight_decay: float = config_field(0.1, "AdamW weight decay (matrices only)", group="optim")
     beta1: float = config_field(0.9, "AdamW beta1", group="optim")
     beta2: float = config_field(0.95, "AdamW beta2", group="optim")
     grad_clip: float = config_field(1.0, "clip the global gradient norm to this (0: no clipping)", group="optim")
-    fusion_lr_mult: float = config_field(1.0, "LR multiplier of the fusion weights' parameter groups", branch=True, group="optim")
-    fusion_warmup: float = config_field(0.0, "fraction of the feedback phase over which the fusion LR warms up linearly from 0", branch=True, group="optim")
-    clip_per_group: bool = config_field(False, "clip the backbone's and the fusion's gradient norms separately (each to --grad-clip)", branch=True, group="optim")
+    fusion_lr_mult: float = config_field(10.0, "LR multiplier of the fusion weights' parameter groups", branch=True, group="optim")
+    fusion_warmup: float = config_field(0.1, "fraction of the feedback phase over which the fusion LR warms up linearly from 0", branch=True, group="optim")
+    clip_per_group: bool = config_field(True, "clip the backbone's and the fusion's gradient norms separately (each to --grad-clip)", branch=True, group="optim")
     precision: str = config_field("auto", "auto (bf16 autocast on a GPU that supports it, else fp32), fp32 or bf16", group="optim")
     # ---- feedback schedule
     num_passes: int = config_field(2, "K once feedback is on (1: a plain baseline)", branch=True, group="feedback")
-    feedback_start: float = config_field(0.75, "fraction of the steps trained plain before feedback switches on", branch=True, group="feedback")
+    feedback_start: float = config_field(0.7, "fraction of the steps trained plain before feedback switches on", branch=True, group="feedback")
     deep_passes: int = config_field(4, "K of the deep steps", branch=True, group="feedback")
     deep_fraction: float = config_field(0.1, "fraction of the feedback steps that use --deep-passes", branch=True, group="feedback")
     prefix_mix: float = config_field(0.25, "probability that a document keeps a random plain prefix on feedback steps", branch=True, group="feedback")
-    feedback_ramp: float = config_field(0.0, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight", branch=True, group="feedback")
+    feedback_ramp: float = config_field(0.2, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight", branch=True, group="feedback")
     fusion_only: float = config_field(0.0, "fraction of the feedback phase, at its start, in which only the fusion trains (backbone frozen)", branch=True, group="feedback")
     # ---- stability guard
     spike_factor: float = config_field(3.0, "skip a step whose pass-1 loss exceeds this times its running average (0: off)", group="guard")
@@ -321,3 +321,6 @@ def check_resume(cfg, trainer_state: dict, world_size: int, is_main: bool = True
         print(f"warning: the checkpoint was written by {trainer_state['world_size']} process(es), this run has "
               f"{world_size}; per-rank jitter streams differ, so the run will not be bitwise identical",
               file=sys.stderr)
+
+
+DEFAULT_FUSION = TrainConfig.__dataclass_fields__["fusion"].default  # what --fusion is when not given

@@ -32,7 +32,7 @@ from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing
 from ..model.modeling import FullBandwidthForCausalLM, load_model
 from ..utils.io import atomic_save_pretrained, read_jsonl
 from .checkpoint import METRICS
-from .config import TrainConfig
+from .config import DEFAULT_FUSION, TrainConfig
 from .engine import Recipe, StepBatch, run
 from .presets import backbone_config
 
@@ -65,7 +65,7 @@ def build_model(cfg: TrainConfig, tokenizer):
             raise ValueError(f"--init-from {cfg.init_from!r} is not a loadable HF checkpoint: {str(err).splitlines()[0]}") from None
         if model_type == FullBandwidthConfig.model_type:
             model = load_model(cfg.init_from, dtype=torch.float32)
-            if model.config.fusion != cfg.fusion:
+            if model.config.fusion != cfg.fusion and cfg.fusion != DEFAULT_FUSION:  # the default: keep the model's
                 raise ValueError(f"--init-from holds a fullband model with fusion {model.config.fusion!r}; "
                                  f"--fusion {cfg.fusion!r} cannot change it")
             for k, v in feedback.items():

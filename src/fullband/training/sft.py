@@ -56,7 +56,7 @@ from .chat import (
     split_conversations,
 )
 from .checkpoint import find_checkpoint, load_model_state, load_trainer_state
-from .config import TrainConfig, config_field, flag_name
+from .config import DEFAULT_FUSION, TrainConfig, config_field, flag_name
 from .engine import Recipe, StepBatch, run
 from .pretrain import build_model
 
@@ -173,7 +173,7 @@ def load_init(cfg: SFTConfig, tokenizer=None):
     torch.manual_seed(cfg.seed)
     if kind == "fullband":
         model = load_model(path, dtype=torch.float32)
-        if model.config.fusion != cfg.fusion and cfg.fusion != "glu":
+        if model.config.fusion != cfg.fusion and cfg.fusion != DEFAULT_FUSION:  # the default: keep the model's
             raise ValueError(f"--init-from holds a fullband model with fusion {model.config.fusion!r}; "
                              f"--fusion {cfg.fusion!r} cannot change it")
         for k, v in feedback.items():
