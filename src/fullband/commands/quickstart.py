@@ -1,23 +1,29 @@
 """``fullband quickstart``: the main job. A plain baseline and a full-bandwidth (FBT) model, trained on the
 embedded corpus for the same number of tokens, evaluated on the held-out works, reported.
 
-What it does (defaults sized to finish within 10 minutes on 2 CPU cores):
+What it does (defaults sized for a few minutes on 2 CPU cores):
 
 1. builds the corpus once (embedded Shakespeare, one work = one document, 10% of the works held out, a 4,096-entry
-   byte-level BPE trained on the training works, rows of 256 tokens);
-2. trains the **baseline**: preset ``tiny``, K = 1 on every step (the FBT class with feedback never switched on,
-   i.e. exactly its Llama backbone), and the **FBT** model: the same backbone config, seed, data order, batch and
-   number of steps, with feedback switched on late (``--feedback-start``, K = 2, a tenth of the feedback steps
-   at K = 4, prefix mixing, jitter), as in the paper's recipe. The two runs are identical, bit for bit, up to the
-   feedback start (same seed and data, K = 1, no random draws), so that shared prefix is trained once: the
-   baseline stops at the start step with a checkpoint, the FBT run resumes from a copy of it with its feedback
-   settings (``--no-share-prefix`` trains both from scratch instead);
-3. evaluates both on the same held-out rows: the baseline (standard), FBT in ``standard`` (K = 1, no feedback),
-   ``passes`` (the K-pass teacher-forced forward of training) and ``exact`` (the true token-by-token recurrence,
-   which is what decoding with feedback computes) modes;
+   byte-level BPE trained on the training works, rows of 128 tokens);
+2. trains the **baseline**: preset ``tiny``, K = 1 on every step (saved as the plain Llama checkpoint it is), and
+   the **FBT** model with ``fullband train``'s recipe, the one ``fullband experiment recipe`` measured best: the
+   same backbone config, seed, data order, batch, steps and WSD learning rate; feedback switched on during the
+   constant-LR phase (``--feedback-start``) through the token-preserving ``residual`` entry (exactly the plain model
+   at switch-on), with the fusion's LR x10 warmed up, per-group clipping and λ ramped in; K = 2 with a tenth of the
+   feedback steps at K = 4, prefix mixing, jitter. The two runs are identical, bit for bit, up to the feedback start
+   (same seed and data, K = 1, no random draws), so that shared prefix is trained once: the baseline stops at the
+   start step with a checkpoint, the FBT run resumes from a copy of it with its feedback settings
+   (``--no-share-prefix`` trains both from scratch instead). A third run, ``baseline-flops``, is the baseline
+   trained for as many FLOPs as the FBT run (every pass counted), for the equal-FLOPs comparison
+   (``--no-flops-baseline`` skips it);
+3. evaluates on the same held-out rows: whole rows in ``standard`` / K-pass / ``exact`` mode, and the continuation
+   of each row after a prompt in every decode mode (``standard``, ``soft``, ``fused``, ``exact``), each with the
+   paired difference to the baseline at equal tokens and at equal FLOPs; checks the recipe's targets (the best
+   feedback mode no worse than the model's own standard mode, exact within 0.02 nats of K passes, no mode
+   collapsing);
 4. samples a few continuations of held-out prompts per decode mode;
-5. writes ``OUT/report.md`` (table, curves, samples), ``OUT/results.json``, ``OUT/curves.png``, and both models
-   with their tokenizer in ``OUT/baseline/`` and ``OUT/fbt/`` (``from_pretrained``-loadable); prints the table.
+5. writes ``OUT/report.md`` (tables, targets, curves, samples), ``OUT/results.json``, ``OUT/curves.png``, and the
+   models with their tokenizer in ``OUT/baseline/``, ``OUT/fbt/`` and ``OUT/baseline-flops/``; prints the tables.
 
 ``results.json`` has ``baseline_val_loss`` and ``fbt_val_loss`` (FBT in ``exact`` mode: the model as it decodes
 with feedback), plus every mode's figure.
@@ -48,7 +54,7 @@ from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl, rewrite
 from ..utils.plotting import plot_loss_curves
 from ..utils.stats import bootstrap_ci
 
-DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=240, batch_size=16, seq_len=256,
+DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=300, batch_size=16, seq_len=128,
                 vocab_size=4096, seed=0, feedback_start=TrainConfig().feedback_start, num_passes=2, eval_rows=128, samples=3,
                 sample_tokens=48, prompt_tokens=24, score_prompt=None)
 # The recipe is `fullband train`'s defaults (chosen by `fullband experiment recipe`, see the README): both runs share
