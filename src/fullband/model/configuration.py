@@ -30,7 +30,9 @@ class FullBandwidthConfig(PretrainedConfig):
 
     Args:
         text_config: the wrapped causal LM's config (any decoder-only ``AutoModelForCausalLM`` family).
-        fusion: ``"glu"`` (paper Eq. 4), or the ablations ``"concat"`` and ``"add"``.
+        fusion: ``"residual"`` (default: ``u = e + GLU(h, e)``, the token kept on the input path and exactly the
+            plain model at switch-on; measured best by ``fullband experiment recipe``), ``"glu"`` (paper Eq. 4), or
+            the ablations ``"concat"`` and ``"add"``.
         feedback_weight: λ in ``loss = L_1 + λ · mean(L_2..L_K)``.
         jitter: training-only uniform noise on the fed-back state, ``±jitter · RMS(state)`` per vector.
         detach_state: not in the paper; stop gradients through the fed-back state (pass k's loss then trains

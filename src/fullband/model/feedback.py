@@ -2,17 +2,19 @@
 
 Owns
 * the fusion of the previous position's final hidden state ``h_{t-1}`` with the token embedding ``e_t``
-  (``glu`` = the paper's Eq. 4, plus the ``concat`` and ``add`` ablations), all with one call signature
-  ``fusion(prev_hidden, token_embeds) -> inputs_embeds``;
+  (``glu`` = the paper's Eq. 4; ``residual`` = ``e_t + glu`` with the output gain at 0, the token-preserving
+  default; the ``concat`` and ``add`` ablations), all with one call signature
+  ``fusion(prev_hidden, token_embeds) -> inputs_embeds``, and the per-vocabulary gate table used at inference;
 * the feedback mask (where a position has a previous state: never at position 0, a document start / BOS,
   or padding, nor right after padding), per-document prefix mixing, and document segmentation;
-* shifting a pass's hidden states right by one and the training-time jitter on the fed-back state.
+* shifting a pass's hidden states right by one and the training-time jitter on the fed-back state;
+* position ids that skip padding, and the backbone's position limit.
 
 Scale. A pretrained backbone's token embeddings are far from RMS 1 (a random Llama init has RMS 0.02, GPT-2
 about 0.14). Every fusion is therefore initialised so that its output has the RMS of the backbone's own
 embedding matrix (``embed_rms``, measured once when the model is built and stored in the config): the ``glu``
 fusion ends in an RMSNorm whose gain is initialised to ``embed_rms`` (so RMS(u_t) == embed_rms exactly at
-init); ``concat`` starts as the identity on ``e`` plus a small ``W h`` term and ``add`` as ``e + W h`` with
+init; training re-measures it when feedback switches on); ``residual`` starts as ``u_t = e_t``; ``concat`` starts as the identity on ``e`` plus a small ``W h`` term and ``add`` as ``e + W h`` with
 ``W h`` about a tenth of ``embed_rms``.
 """
 

@@ -27,8 +27,7 @@ Owns
 * :func:`generate`, a lean decode loop for throughput (a preallocated static cache where the backbone supports it
   on an accelerator, nothing per step that need not be there) with the same semantics, used by
   ``fullband generate`` and ``fullband bench decode``; and :func:`score`, the teacher-forced log-probabilities of
-  a continuation under a decode mode;
-* the ``fullband generate`` command.
+  a continuation under a decode mode (the ``fullband generate`` command is :mod:`fullband.commands.generate`).
 
 The default mode of a feedback model (``config.default_feedback_mode``) is ``fused`` with one prefill pass
 (``prefill_passes=1``), chosen from the measurements below.
