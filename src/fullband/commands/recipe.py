@@ -183,11 +183,19 @@ def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
               for mode, k in (FBT_MODES if feedback else (("standard", 1),))}
     result = {"steps": cfg.steps, "flops": fl["flops"], "passes": fl["passes"], "tokens": fl["tokens"],
               "losses": losses, "eval_seconds": time.perf_counter() - t,
-              "train_seconds": records[-1].get("elapsed") if records else None,
               "switch_on": switch_on_stats(records) if feedback else None,
               "skipped_steps": sum(1 for r in records if r.get("skipped"))}
     atomic_write_json(path, {"key": key, "result": result})
     return result
+
+
+def _elapsed(out: str) -> float | None:
+    """Training seconds of a finished run (its summary.json)."""
+    try:
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f).get("elapsed")
+    except (OSError, ValueError):
+        return None
 
 
 def run_seed(args, seed: int, arms: list[Arm], say) -> dict:
@@ -213,7 +221,7 @@ def run_seed(args, seed: int, arms: list[Arm], say) -> dict:
         if not finished(cfg):
             say(f"recipe: seed {seed}: {name}, {steps} steps")
             _train(cfg, corpus, f"seed {seed} {name}")
-        runs[name] = evaluate_run(cfg, rows, args)
+        runs[name] = dict(evaluate_run(cfg, rows, args), train_seconds=_elapsed(cfg.out))
     return {"seed": seed, "runs": runs, "eval_rows": int(rows.shape[0]),
             "scored_tokens": int(rows.shape[0] * (rows.shape[1] - args.prompt_tokens))}
 
@@ -390,6 +398,8 @@ def run_recipe(args) -> dict:
     res["switch_on"] = {a.name: per_seed[0]["runs"][a.name]["switch_on"] for a in arms}
     res["best"] = best_feedback_arm(res)
     res["seconds"] = time.perf_counter() - t0
+    res["train_seconds"] = sum(r["train_seconds"] or 0.0 for s in per_seed for r in s["runs"].values()) + sum(
+        _elapsed(os.path.join(args.out, f"seed{s}", "trunk")) or 0.0 for s in seeds)
     res["load_average"] = [load0, _loadavg()]
     res["threads"], res["torch"], res["platform"] = torch.get_num_threads(), torch.__version__, platform.platform()
     os.makedirs(args.out, exist_ok=True)
@@ -412,7 +422,8 @@ def report(res: dict, text: str) -> str:
              f"Preset `{s['preset']}`; per seed a plain trunk of {s['trunk_steps']} steps, then every arm "
              f"{s['branch_steps']} steps from it on the same next batches ({s['batch_size']} x {s['seq_len']} "
              f"tokens a step); seeds {res['seeds']}; {s['eval_rows']} held-out rows, each scored after a "
-             f"{s['prompt_tokens']}-token prompt in every mode. {res['seconds']:.0f}s wall, load average "
+             f"{s['prompt_tokens']}-token prompt in every mode. Training took {res['train_seconds']:.0f}s summed over the "
+             f"runs (trunks included); this invocation {res['seconds']:.0f}s wall (finished runs are reused), load average "
              f"{res['load_average'][0]} at the start and {res['load_average'][1]} at the end, "
              f"{res['threads']} thread(s).", "", "Arms:", ""]
     lines += [f"* `{n}`: {d}" for n, d in res["arm_descriptions"].items()]
