@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
@@ -94,3 +97,19 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_dir(tmp_path_factory):
     return save_model_dir(tmp_path_factory.mktemp("plain"), plain=True)
+
+
+# ----------------------------------------------------------------------------------------------- a small jsonl corpus
+
+WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Twelve documents of 300 random common words, as a jsonl corpus (``fullband train --data``)."""
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
+    return str(path)

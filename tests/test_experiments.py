@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 
 import pytest
 
@@ -16,17 +15,6 @@ from fullband.commands.experiment_common import crossing, loss_at
 from fullband.eval.flops import flop_parameters, training_flops
 from fullband.utils.io import read_jsonl
 
-WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    rng = random.Random(0)
-    with open(path, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
-    return str(path)
 
 
 # ----------------------------------------------------------------------------------------------- interpolation

@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -25,17 +24,6 @@ from fullband.training.pretrain import train
 from fullband.training.schedule import lr_at
 from fullband.utils.io import read_jsonl
 
-WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    rng = random.Random(0)
-    with open(path, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
-    return str(path)
 
 
 def args(data, out, *extra, steps=6):
