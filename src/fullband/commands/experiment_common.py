@@ -4,6 +4,7 @@ curve (where it reaches a loss, its loss at a budget)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 
 from ..training.config import TrainConfig, make_config
 from ..training.pretrain import train
+from ..utils.io import atomic_write_bytes
 from .quickstart import copy_branch
 
 # recipe knobs shared by both experiments: (flag, TrainConfig field, type)
@@ -205,3 +207,34 @@ def describe_multiplier(c: dict, reference: float, smallest: float, largest: flo
     if c["status"] == "below_range":
         return f"< {smallest / reference:.3f}x (below the range)"
     return f"> {largest / reference:.3f}x (above the range)"
+
+
+# ============================================================================================== run bookkeeping
+
+
+def apply_quick(args, defaults: dict, quick: dict) -> None:
+    """``--quick``: every option still at its default takes its smoke-test value."""
+    if getattr(args, "quick", False):
+        for k, v in quick.items():
+            if getattr(args, k) == defaults[k]:
+                setattr(args, k, v)
+
+
+def pick_arms(text: str | None, known: dict, default: list[str]) -> list[str]:
+    """The arm names of a comma-separated ``--arms`` (``default`` when not given); a one-line error for unknown ones."""
+    names = [n.strip() for n in text.split(",") if n.strip()] if text else list(default)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}: choose from {', '.join(known)}")
+    return names
+
+
+def save_png(fig, path: str, dpi: int = 110) -> str:
+    """Write a matplotlib figure as a PNG atomically and close it."""
+    import matplotlib.pyplot as plt  # heavy: only when a plot is drawn
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path

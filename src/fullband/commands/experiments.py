@@ -4,7 +4,8 @@
   token multiplier and the matched-compute comparison;
 * ``reasoning`` (:mod:`.reasoning_experiment`): baseline vs FBT on synthetic chain-of-thought data -- accuracy,
   trace length, paired statistics;
-* ``recipe`` (:mod:`.recipe`): the feedback recipe grid -- every mode, equal tokens and equal FLOPs, >= 2 seeds.
+* ``recipe`` (:mod:`.recipe`): the feedback recipe grid -- every mode, equal tokens and equal FLOPs, >= 2 seeds;
+* ``depth`` (:mod:`.depth`): k-hop pointer chasing and iterated composition -- does FBT(L) reach baseline(2L)?
 
 Each writes ``results.json`` and ``report.md`` into ``--out`` and prints its tables; trained models stay in
 ``OUT/runs/`` (``OUT/seed*/`` for the recipe grid).
@@ -17,6 +18,7 @@ import argparse
 
 from .data_efficiency import DE_DEFAULTS, run_data_efficiency
 from .data_efficiency import __doc__ as data_efficiency_doc
+from .depth import add_parser as add_depth_parser
 from .experiment_common import add_common_arguments, add_recipe_arguments
 from .reasoning_experiment import RS_DEFAULTS, run_reasoning_experiment
 from .reasoning_experiment import __doc__ as reasoning_doc
@@ -26,7 +28,7 @@ from .recipe import add_parser as add_recipe_parser
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="experiments: data-efficiency (tokens and matched compute), reasoning",
+    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning",
                        description=__doc__.split("\n\n")[0])
     ex = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
@@ -72,3 +74,4 @@ def add_parser(sub) -> None:
     r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])
 
     add_recipe_parser(ex)
+    add_depth_parser(ex)

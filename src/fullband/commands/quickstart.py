@@ -48,7 +48,7 @@ from ..model.generation import MODES, generate
 from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR
 from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig
-from ..training.device import tune_cpu_allocator
+from ..training.device import load_average, tune_cpu_allocator
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
 from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 from ..utils.plotting import plot_loss_curves
@@ -121,14 +121,6 @@ def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tok
                             "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
                             "continuation": tokenizer.decode(new, skip_special_tokens=True)})
     return out, how
-
-
-def _loadavg() -> float | None:
-    """The 1-minute load average (other processes competing for the CPUs make the wall time longer)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def _ci(d: dict | None) -> str:
@@ -205,7 +197,7 @@ def _targets_text(t: dict) -> str:
 def run_quickstart(args) -> dict:
     hf_logging.disable_progress_bar()
     t_all = time.perf_counter()
-    load_start = _loadavg()
+    load_start = load_average()
     for name in ("steps", "batch_size", "seq_len", "eval_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -317,7 +309,7 @@ def run_quickstart(args) -> dict:
         "lr": fbt_cfg.resolved_lr(), "seed": args.seed, "val_documents": corpus.val_docs,
         "train_documents": len(corpus.train_docs), "corpus_train_tokens": corpus.train_rows.numel(),
         "seconds": {"data": t_data, "train": t_train, "eval": t_eval, "samples": t_samples, "total": wall},
-        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": [load_start, _loadavg()],
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": [load_start, load_average()],
         "torch": torch.__version__, "platform": platform.platform(),
         "samples": samples, "sampling": how, "fbt_default_mode": fbt.config.default_feedback_mode,
     }

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import math
 import os
@@ -45,11 +44,13 @@ from ..eval.flops import flop_parameters, training_flops
 from ..eval.scoring import load_any_model, row_losses
 from ..model.configuration import has_feedback
 from ..training.config import TrainConfig
+from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.presets import get_preset
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
-from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl
 from ..utils.stats import bootstrap_ci
+from .experiment_common import apply_quick, pick_arms, save_png
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -349,12 +350,7 @@ def plot(res: dict, path: str) -> str:
     ax.set_title("recipe grid: Δ vs the equal-token baseline (95% CI)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-    return path
+    return save_png(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------- command
@@ -362,17 +358,11 @@ def plot(res: dict, path: str) -> str:
 
 def run_recipe(args) -> dict:
     hf_logging.disable_progress_bar()
-    if args.quick:
-        for k, v in QUICK.items():
-            if getattr(args, k) == DEFAULTS[k]:
-                setattr(args, k, v)
+    apply_quick(args, DEFAULTS, QUICK)
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     if len(seeds) < 1:
         raise ValueError("--seeds must name at least one seed (two or more for a fair comparison)")
-    names = [n.strip() for n in args.arms.split(",")] if args.arms else [a.name for a in ARMS if a.default]
-    unknown = sorted(set(names) - set(ARM_BY_NAME))
-    if unknown:
-        raise ValueError(f"unknown arm(s) {unknown}: choose from {', '.join(ARM_BY_NAME)}")
+    names = pick_arms(args.arms, ARM_BY_NAME, [a.name for a in ARMS if a.default])
     for need in ("baseline",):
         if need not in names:
             names.insert(0, need)
@@ -388,7 +378,7 @@ def run_recipe(args) -> dict:
         raise ValueError(f"--prompt-tokens must be in [1, --seq-len - 1), got {args.prompt_tokens}")
     args.device_resolved = str(resolve_device(args.device))
     say = (lambda *a: None) if args.no_progress and args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    load0, t0 = _loadavg(), time.perf_counter()
+    load0, t0 = load_average(), time.perf_counter()
     per_seed = [run_seed(args, s, arms, say) for s in seeds]
     res = {"arms": [a.name for a in arms] + [FLOPS_BASELINE],
            "arm_descriptions": {a.name: a.description for a in arms}, "seeds": seeds,
@@ -400,7 +390,7 @@ def run_recipe(args) -> dict:
     res["seconds"] = time.perf_counter() - t0
     res["train_seconds"] = sum(r["train_seconds"] or 0.0 for s in per_seed for r in s["runs"].values()) + sum(
         _elapsed(os.path.join(args.out, f"seed{s}", "trunk")) or 0.0 for s in seeds)
-    res["load_average"] = [load0, _loadavg()]
+    res["load_average"] = [load0, load_average()]
     res["threads"], res["torch"], res["platform"] = torch.get_num_threads(), torch.__version__, platform.platform()
     os.makedirs(args.out, exist_ok=True)
     text = tables(res)
@@ -433,13 +423,6 @@ def report(res: dict, text: str) -> str:
                      f"(Δ vs baseline at equal tokens {_ci(best.get('delta_tokens'))}).")
     lines += ["", "![recipe](recipe.png)", ""]
     return "\n".join(lines)
-
-
-def _loadavg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def add_parser(ex) -> None:

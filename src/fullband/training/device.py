@@ -1,4 +1,4 @@
-"""Numerics of the process: mixed precision and the CPU allocator.
+"""Numerics of the process and the machine it runs on: mixed precision, the CPU allocator, the load average.
 
 Owns :func:`autocast_context` (bf16 autocast where asked for or, with ``auto``, on a GPU that supports it) and
 :func:`tune_cpu_allocator` (glibc ``mallopt`` so that big CPU buffers are reused, not unmapped every step).
@@ -42,3 +42,11 @@ def tune_cpu_allocator() -> bool:
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (other processes competing for the CPUs make wall times longer)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None

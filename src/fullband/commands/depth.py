@@ -1,0 +1,479 @@
+"""``fullband experiment depth``: does latent feedback add sequential depth where a plain model runs out of layers?
+
+Owns the depth experiment: its arms (:data:`ARMS`), their training on the tasks of
+:mod:`fullband.eval.depth_tasks` (k-hop pointer chasing, iterated composition), the per-example evaluation in
+every decode mode, the state interventions, and the report.
+
+Every arm trains on the same problems in the same order for the same steps (equal tokens), from the same
+random backbone of its depth (a Llama built in code, saved once under ``OUT/init/``):
+
+* ``baseline-L``: plain, L layers; ``baseline-2L``: plain, 2L layers (the depth-matched reference);
+* ``fbt-L``: L layers, ``fullband train``'s default recipe (residual entry ``u = e + GLU(h, e)``, WSD, feedback
+  from 70% of the steps, K = 2 with 10% K = 4, switch-on warm-up); ``fbt-L-glu``: the same with the paper's pure
+  GLU; ``fbt-L-k3``: the default with K = 3 and 10% K = 6 (more passes).
+
+Training data mixes the tasks, k uniform in 1..max_k and 0..max_think filler (think) positions before ``=``; the
+loss is on the answer token only. Test problems come from another seed, ``--test-per-cell`` per (task, k, think)
+for think = 0 and think = max_think. Each FBT arm is scored in ``standard`` (no feedback), ``K=2`` / ``K=3``
+(teacher-forced passes) and ``exact`` (the token-by-token recurrence) mode, all through
+:func:`fullband.eval.scoring.mode_logits`; the answer is the argmax of the logits at the ``=`` position. In exact
+mode three interventions on the fed-back state (zeroed everywhere, taken from another problem, zeroed only where
+it enters the ``=`` position) say whether the state is used. Reported: accuracy per cell with a 95% bootstrap CI,
+paired differences to both baselines on the k >= 2 cells, the paired effect of think positions (the same questions
+at 0 and max_think), pointer accuracy where the answer is not the start symbol (the copy shortcut), and a plot.
+A finished run is reused only for the same options and the same training problems. Writes ``results.json`` (per-example
+correctness included), ``report.md`` and ``depth.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.utils import logging as hf_logging
+
+from ..data.corpus import Corpus
+from ..eval.depth_tasks import (
+    EQUALS,
+    THINK,
+    answer_labels,
+    depth_tokenizer,
+    encode_rows,
+    make_depth_problems,
+    row_length,
+)
+from ..eval.scoring import load_any_model, mode_logits
+from ..model.configuration import has_feedback
+from ..training.config import TrainConfig
+from ..training.device import load_average
+from ..training.distributed import resolve_device
+from ..training.engine import run as run_training
+from ..training.pretrain import PretrainRecipe
+from ..utils.io import atomic_write_json, atomic_write_text
+from ..utils.stats import bootstrap_ci
+from .experiment_common import apply_quick, pick_arms, save_png
+from .recipe import finished
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    description: str
+    depth: int  # x L
+    settings: dict
+
+
+ARMS = (
+    Arm("baseline-L", "plain, L layers", 1, dict(num_passes=1)),
+    Arm("fbt-L", "L layers, the default recipe (residual entry, K=2 +10% K=4)", 1, {}),
+    Arm("fbt-L-glu", "L layers, the default recipe with the paper's pure GLU", 1, dict(fusion="glu")),
+    Arm("fbt-L-k3", "L layers, the default recipe with K=3 (+10% K=6)", 1, dict(num_passes=3, deep_passes=6)),
+    Arm("baseline-2L", "plain, 2L layers (depth-matched reference)", 2, dict(num_passes=1)),
+)
+ARM_BY_NAME = {a.name: a for a in ARMS}
+FBT_MODES = (("standard", 1), ("K=2", 2), ("K=3", 3), ("exact", None))
+INTERVENTIONS = ("zero", "other-row", "zero-at-answer")
+
+DEFAULTS = dict(out=os.path.join("runs", "experiments", "depth"), layers=2, hidden=128, heads=4, steps=4000,
+                batch_size=64, lr=2e-3, tasks="pointer,compose", max_k=4, max_think=4, test_per_cell=100, seed=0)
+QUICK = dict(layers=1, hidden=32, heads=2, steps=24, batch_size=16, max_k=3, max_think=2, test_per_cell=8)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class DepthRecipe(PretrainRecipe):
+    """Pre-training on fixed-format problem rows with the loss on the answer token only."""
+
+    def batch(self, step, num_passes, generator, env):
+        sb = super().batch(step, num_passes, generator, env)
+        eq = self.tokenizer.convert_tokens_to_ids(EQUALS)
+        for mb in sb.micro:
+            mb["labels"] = answer_labels(mb["input_ids"], eq)
+        return sb
+
+
+def init_backbone(args, tokenizer, depth: int) -> str:
+    """A random Llama of ``depth`` x L layers saved once under ``OUT/init`` (every arm of that depth starts here)."""
+    layers = args.layers * depth
+    path = os.path.join(args.out, "init", f"L{layers}-d{args.hidden}-h{args.heads}-s{args.seed}")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                         max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        torch.manual_seed(args.seed)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def data_key(rows: torch.Tensor) -> dict:
+    """What a finished run was trained on (a run is reused only for the same problems in the same order)."""
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.float64).remainder_(1_000_003).view_as(rows)
+    return {"rows": list(rows.shape), "sum": int(rows.sum()), "weighted": float((rows.double() * weights).sum())}
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def train_arm(args, arm: Arm, corpus, say) -> tuple[TrainConfig, float | None]:
+    cfg = TrainConfig(out=os.path.join(args.out, "runs", arm.name), steps=args.steps, seed=args.seed,
+                      init_from=init_backbone(args, corpus.tokenizer, arm.depth), lr=args.lr,
+                      batch_size=args.batch_size, seq_len=corpus.train_rows.shape[1], device=args.device,
+                      progress=False, tensorboard=False, plot=False, save_every=0, **arm.settings)
+    cfg.validate()
+    key_path = os.path.join(cfg.out, "depth_data.json")
+    key = data_key(corpus.train_rows)
+    if not (finished(cfg) and _read_json(key_path) == key):  # the same options and the same problems
+        say(f"depth: training {arm.name} ({args.steps} steps)")
+        summary = run_training(DepthRecipe(cfg, corpus, arm.name), resume=False, overwrite=True)
+        if summary["status"] != "done":
+            raise RuntimeError(f"{arm.name}: training did not finish: {summary.get('message')}")
+        atomic_write_json(key_path, key)
+    try:
+        with open(os.path.join(cfg.out, "summary.json")) as f:
+            elapsed = json.load(f).get("elapsed")
+    except (OSError, ValueError):
+        elapsed = None
+    return cfg, elapsed
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def answers_correct(model, rows, pos, mode: str, num_passes: int = 1, state_hook=None, batch: int = 512) -> list[int]:
+    """1/0 per row: whether the argmax at the ``=`` position is the answer (``state_hook``: exact mode with an
+    intervention on the fed-back state)."""
+    out = []
+    for i in range(0, rows.shape[0], batch):
+        r, p = rows[i:i + batch], pos[i:i + batch]
+        if state_hook is None:
+            logits = mode_logits(model, r, mode, num_passes)
+        else:
+            logits = model.recurrent_forward(r, state_hook=state_hook(p)).logits
+        idx = torch.arange(r.shape[0], device=r.device)
+        pred = logits[idx, p - 1].argmax(-1)
+        out += (pred == r[idx, p]).long().tolist()
+    return out
+
+
+def intervention_hook(name: str):
+    """``make(pos) -> hook(t, prev)``: the state fused at step t replaced as ``name`` says."""
+    def make(pos):
+        def hook(t, prev):
+            if name == "zero":
+                return torch.zeros_like(prev)
+            if name == "other-row":
+                return prev.roll(1, dims=0)
+            keep = (pos - 1 != t).to(prev.dtype).view(-1, 1, 1)  # zero-at-answer
+            return prev * keep
+        return hook
+    return make
+
+
+def evaluate_arm(model, rows, pos) -> dict:
+    if not has_feedback(model):
+        return {"standard": answers_correct(model, rows, pos, "standard")}
+    res = {key: answers_correct(model, rows, pos, "passes" if key.startswith("K=") else key, k or 1)
+           for key, k in FBT_MODES}
+    for name in INTERVENTIONS:
+        res[f"exact/{name}"] = answers_correct(model, rows, pos, "exact", state_hook=intervention_hook(name))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+
+
+def cells(test: list[dict]) -> list[tuple[str, int, int]]:
+    return sorted({(t["task"], t["think"], t["k"]) for t in test})
+
+
+def analyse(res: dict, boot: int = 2000) -> list[dict]:
+    """One row per (arm, mode, task, think): accuracy per k with a 95% CI; paired Δ vs both baselines on k >= 2."""
+    test = res["test"]
+    table = []
+    ref_l, ref_2l = (res["runs"].get(n, {}).get("correct", {}).get("standard") for n in ("baseline-L", "baseline-2L"))
+    for arm in res["arms"]:
+        for mode, correct in res["runs"][arm]["correct"].items():
+            for task, think in sorted({(t["task"], t["think"]) for t in test}):
+                row = {"arm": arm, "mode": mode, "task": task, "think": think, "acc": {}}
+                for k in sorted({t["k"] for t in test}):
+                    idx = [i for i, t in enumerate(test) if (t["task"], t["think"], t["k"]) == (task, think, k)]
+                    row["acc"][str(k)] = bootstrap_ci([correct[i] for i in idx], seed=0, n_resamples=boot).as_dict()
+                deep = [i for i, t in enumerate(test) if (t["task"], t["think"]) == (task, think) and t["k"] >= 2]
+                for key, ref in (("delta_L", ref_l), ("delta_2L", ref_2l)):
+                    if ref is not None and deep and not (mode == "standard" and ref is correct):
+                        row[key] = bootstrap_ci([correct[i] - ref[i] for i in deep], seed=0, n_resamples=boot).as_dict()
+                table.append(row)
+    return table
+
+
+def _ci(d: dict | None, digits: int = 2) -> str:
+    if not d:
+        return ""
+    return f"{d['estimate']:+.{digits}f} [{d['low']:+.{digits}f}, {d['high']:+.{digits}f}]"
+
+
+def tables(res: dict) -> str:
+    ks = sorted({t["k"] for t in res["test"]})
+    out = []
+    for task in dict.fromkeys(r["task"] for r in res["table"]):
+        out += [f"**{task}** (accuracy [95% CI]; chance {res['chance'][task]:.2f})", "",
+                "| arm | mode | think | " + " | ".join(f"k={k}" for k in ks) + " | Δ vs baseline-L, k≥2 | "
+                "Δ vs baseline-2L, k≥2 |", "| --- | --- | ---: |" + " ---: |" * (len(ks) + 2)]
+        for r in res["table"]:
+            if r["task"] != task or "/" in r["mode"]:
+                continue
+            accs = " | ".join(f"{r['acc'][str(k)]['estimate']:.2f} [{r['acc'][str(k)]['low']:.2f}, "
+                              f"{r['acc'][str(k)]['high']:.2f}]" for k in ks)
+            out.append(f"| {r['arm']} | {r['mode']} | {r['think']} | {accs} | {_ci(r.get('delta_L'))} | "
+                       f"{_ci(r.get('delta_2L'))} |")
+        out.append("")
+    if res.get("pointer_no_copy"):
+        ks = sorted(res["pointer_no_copy"][0]["n"], key=int)
+        out += ["**pointer, answer ≠ start symbol** (accuracy; problems per cell in the header)", "",
+                "| arm | mode | think | " + " | ".join(f"k={k} (n={res['pointer_no_copy'][0]['n'][k]})" for k in ks)
+                + " |", "| --- | --- | ---: |" + " ---: |" * len(ks)]
+        out += [f"| {r['arm']} | {r['mode']} | {r['think']} | " + " | ".join(f"{r['acc'][k]:.2f}" for k in ks) + " |"
+                for r in res["pointer_no_copy"]]
+        out.append("")
+    if res.get("think_effect"):
+        lo, hi = res["think_effect"][0]["think"]
+        out += [f"**Does it need think positions?** Accuracy over the k ≥ 2 cells with {lo} and {hi} think positions "
+                "(the same questions), and the paired change", "",
+                f"| arm | mode | task | think={lo} | think={hi} | Δ [95% CI] |",
+                "| --- | --- | --- | ---: | ---: | ---: |"]
+        out += [f"| {r['arm']} | {r['mode']} | {r['task']} | {r['acc'][0]:.2f} | {r['acc'][1]:.2f} | "
+                f"{_ci(r['delta'])} |"
+                for r in res["think_effect"]]
+        out.append("")
+    if res.get("interventions"):
+        out += ["**Is the fed-back state used?** Exact-mode accuracy over the k ≥ 2 cells, and the change when the "
+                "state is replaced (Δ [95% CI], paired per problem)", "",
+                "| arm | task | think | exact | " + " | ".join(INTERVENTIONS) + " |",
+                "| --- | --- | ---: | ---: |" + " ---: |" * len(INTERVENTIONS)]
+        for r in res["interventions"]:
+            out.append(f"| {r['arm']} | {r['task']} | {r['think']} | {r['exact']:.2f} | "
+                       + " | ".join(_ci(r["delta"][n]) for n in INTERVENTIONS) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _question_key(t: dict) -> tuple:
+    """A test problem without its think positions."""
+    return t["task"], t["k"], t["question"].replace(" " + THINK, "")
+
+
+def pointer_no_copy(res: dict) -> list[dict]:
+    """Per arm, mode and think: pointer accuracy per k >= 2 on the problems whose answer is not the start symbol
+    (the start symbol is the answer whenever its cycle length divides k: a copy shortcut)."""
+    test, rows = res["test"], []
+    for arm in res["arms"]:
+        for mode, correct in res["runs"][arm]["correct"].items():
+            for think in sorted({t["think"] for t in test}):
+                acc, n = {}, {}
+                for k in sorted({t["k"] for t in test if t["k"] >= 2}):
+                    cell = [correct[i] for i, t in enumerate(test) if t["task"] == "pointer" and t["think"] == think
+                            and t["k"] == k and not t["answer_is_start"]]
+                    if cell:
+                        acc[str(k)], n[str(k)] = sum(cell) / len(cell), len(cell)
+                if acc and "/" not in mode:
+                    rows.append({"arm": arm, "mode": mode, "think": think, "acc": acc, "n": n})
+    return rows
+
+
+def think_effect(res: dict, boot: int = 2000) -> list[dict]:
+    """Per arm, mode and task: accuracy over the k >= 2 cells without and with the most think positions, and
+    the paired change (the same questions at both think counts)."""
+    test, rows = res["test"], []
+    thinks = sorted({t["think"] for t in test})
+    if len(thinks) < 2:
+        return rows
+    lo, hi = thinks[0], thinks[-1]
+    for arm in res["arms"]:
+        for mode, correct in res["runs"][arm]["correct"].items():
+            if "/" in mode:
+                continue
+            for task in dict.fromkeys(t["task"] for t in test):
+                a = {_question_key(t): correct[i] for i, t in enumerate(test)
+                     if t["task"] == task and t["think"] == lo and t["k"] >= 2}
+                b = [(a[_question_key(t)], correct[i]) for i, t in enumerate(test)
+                     if t["task"] == task and t["think"] == hi and t["k"] >= 2 and _question_key(t) in a]
+                if b:
+                    rows.append({"arm": arm, "mode": mode, "task": task, "think": [lo, hi],
+                                 "acc": [sum(x for x, _ in b) / len(b), sum(y for _, y in b) / len(b)],
+                                 "delta": bootstrap_ci([y - x for x, y in b], seed=0, n_resamples=boot).as_dict()})
+    return rows
+
+
+def interventions(res: dict, boot: int = 2000) -> list[dict]:
+    """Per FBT arm, task and think: exact accuracy over k >= 2 and each intervention's paired change."""
+    test, rows = res["test"], []
+    for arm in res["arms"]:
+        correct = res["runs"][arm]["correct"]
+        if "exact" not in correct:
+            continue
+        for task, think in sorted({(t["task"], t["think"]) for t in test}):
+            idx = [i for i, t in enumerate(test) if (t["task"], t["think"]) == (task, think) and t["k"] >= 2]
+            if not idx:
+                continue
+            base = [correct["exact"][i] for i in idx]
+            rows.append({"arm": arm, "task": task, "think": think, "exact": sum(base) / len(base), "delta": {
+                n: bootstrap_ci([correct[f"exact/{n}"][i] - b for i, b in zip(idx, base)], seed=0,
+                                n_resamples=boot).as_dict() for n in INTERVENTIONS}})
+    return rows
+
+
+def plot(res: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["task"], r["think"]) for r in res["table"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (task, think) in zip(axes[0], panels):
+        for r in res["table"]:
+            if (r["task"], r["think"]) != (task, think) or r["mode"] not in ("standard", "exact", "K=2"):
+                continue
+            ks = sorted(int(k) for k in r["acc"])
+            style = {"standard": "-", "K=2": "--", "exact": ":"}[r["mode"]]
+            ax.plot(ks, [r["acc"][str(k)]["estimate"] for k in ks], style, marker="o", ms=3,
+                    color=f"C{res['arms'].index(r['arm'])}", label=f"{r['arm']} {r['mode']}")
+            ax.set_xticks(ks)
+        ax.axhline(res["chance"][task], color="grey", lw=0.7)
+        ax.set_title(f"{task}, think={think}", fontsize=9)
+        ax.set_xlabel("k (hops / steps)")
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("accuracy")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def run_depth(args) -> dict:
+    hf_logging.disable_progress_bar()
+    apply_quick(args, DEFAULTS, QUICK)
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    names = pick_arms(args.arms, ARM_BY_NAME, [a.name for a in ARMS])
+    for name in ("steps", "batch_size", "test_per_cell", "layers", "max_k"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    t0, load0 = time.perf_counter(), load_average()
+    tokenizer = depth_tokenizer()
+    seq_len = row_length(args.max_k, args.max_think, tasks)
+    train_p = make_depth_problems(tasks, args.steps * args.batch_size, args.seed, args.max_k, args.max_think,
+                                  single_cycle=args.pointer_cycle)
+    rows, _ = encode_rows(tokenizer, train_p, seq_len)
+    corpus = Corpus(tokenizer, rows, torch.empty(0, seq_len, dtype=torch.long), ["depth-train"], [])
+    test_p = [p for task in tasks for think in sorted({0, args.max_think}) for k in range(1, args.max_k + 1)
+              for p in make_depth_problems([task], args.test_per_cell, args.seed + 1_000_003 * (1 + k),
+                                           args.max_k, ks=[k], thinks=[think], single_cycle=args.pointer_cycle)]
+    # the same questions at every think count (the generators draw alike), so think vs no think is paired
+    test_rows, test_pos = encode_rows(tokenizer, test_p, seq_len)
+    seen = {p.words for p in train_p}
+    res = {"arms": names, "arm_descriptions": {n: ARM_BY_NAME[n].description for n in names},
+           "settings": {k: getattr(args, k) for k in DEFAULTS if k != "out"} | {
+               "quick": bool(args.quick), "seq_len": seq_len, "pointer_cycle": bool(args.pointer_cycle)},
+           "test": [{"task": p.task, "k": p.k, "think": p.think, "answer": p.answer, "question": " ".join(p.words),
+                     "in_training": p.words in seen,
+                     "answer_is_start": p.task == "pointer" and p.answer == f"s{p.facts[1]}"} for p in test_p],
+           "chance": {"pointer": 1 / 6, "compose": 1 / 6, "modsum": 1 / 7}, "runs": {}}
+    device = str(resolve_device(args.device))
+    test_rows, test_pos = test_rows.to(device), test_pos.to(device)
+    for name in names:
+        arm = ARM_BY_NAME[name]
+        cfg, elapsed = train_arm(args, arm, corpus, say)
+        model = load_any_model(cfg.out, device=device)[0].eval()
+        t = time.perf_counter()
+        res["runs"][name] = {"layers": args.layers * arm.depth, "train_seconds": elapsed,
+                             "parameters": sum(p.numel() for p in model.parameters()),
+                             "tokens": args.steps * args.batch_size * seq_len,
+                             "correct": evaluate_arm(model, test_rows, test_pos),
+                             "eval_seconds": time.perf_counter() - t}
+    res["table"], res["think_effect"], res["interventions"] = analyse(res), think_effect(res), interventions(res)
+    res["pointer_no_copy"] = pointer_no_copy(res)
+    res["seconds"], res["load_average"] = time.perf_counter() - t0, [load0, load_average()]
+    res["threads"], res["torch"], res["platform"] = torch.get_num_threads(), torch.__version__, platform.platform()
+    os.makedirs(args.out, exist_ok=True)
+    text = tables(res)
+    res["plot"] = plot(res, os.path.join(args.out, "depth.png"))
+    atomic_write_json(os.path.join(args.out, "results.json"), res)
+    atomic_write_text(os.path.join(args.out, "report.md"), report(res, text))
+    if args.json:
+        print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "test")}, indent=2))
+    else:
+        print(text)
+        print(f"{res['seconds']:.0f}s; report: {os.path.join(args.out, 'report.md')}")
+    return res
+
+
+def report(res: dict, text: str) -> str:
+    s = res["settings"]
+    train_s = sum(r["train_seconds"] or 0.0 for r in res["runs"].values())
+    n_seen = sum(t["in_training"] for t in res["test"])
+    lines = ["# fullband experiment depth", "",
+             f"Tasks {s['tasks']}, k = 1..{s['max_k']}, 0..{s['max_think']} think positions in training; every arm "
+             f"{s['steps']} steps x {s['batch_size']} rows x {s['seq_len']} tokens (equal tokens), loss on the answer "
+             f"only, Llama d{s['hidden']} with {s['heads']} heads, L = {s['layers']}, seed {s['seed']}, peak LR "
+             f"{s['lr']}. Test: {s['test_per_cell']} problems per (task, k, think) from another seed "
+             f"({n_seen} of {len(res['test'])} questions also occur in training: small-k composition has few "
+             f"distinct questions). Training {train_s:.0f}s summed over the runs; this invocation "
+             f"{res['seconds']:.0f}s wall (finished runs are reused), load average {res['load_average'][0]} at the "
+             f"start and {res['load_average'][1]} at the end, {res['threads']} thread(s).", "", "Arms:", ""]
+    lines += [f"* `{n}` ({res['runs'][n]['layers']} layers, {res['runs'][n]['parameters']:,} parameters): {d}"
+              for n, d in res["arm_descriptions"].items()]
+    lines += ["", "Modes: `standard` no feedback; `K=2` / `K=3` teacher-forced passes; `exact` the token-by-token "
+              "recurrence; `exact/zero`, `exact/other-row`, `exact/zero-at-answer`: exact with the fed-back state "
+              "zeroed, taken from another problem, or zeroed only where it enters the `=` position.", "", text,
+              "![depth](depth.png)", ""]
+    return "\n".join(lines)
+
+
+def add_parser(ex) -> None:
+    """Register ``fullband experiment depth`` on the ``experiment`` sub-parsers."""
+    r = ex.add_parser("depth", help="k-hop pointer chasing / iterated composition: does FBT(L) reach baseline(2L)? "
+                                    "accuracy per k and decode mode",
+                      description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--out", default=DEFAULTS["out"], help="output directory (default: %(default)s)")
+    r.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="L (default: %(default)s)")
+    r.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="model width (default: %(default)s)")
+    r.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")
+    r.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="steps per arm (default: %(default)s)")
+    r.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="rows per step (default: %(default)s)")
+    r.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak LR (default: %(default)s)")
+    r.add_argument("--tasks", default=DEFAULTS["tasks"], help="comma-separated: pointer, compose, modsum "
+                                                              "(default: %(default)s)")
+    r.add_argument("--max-k", type=int, default=DEFAULTS["max_k"], help="largest k (default: %(default)s)")
+    r.add_argument("--max-think", type=int, default=DEFAULTS["max_think"],
+                   help="most think positions in training; tested at 0 and at this (default: %(default)s)")
+    r.add_argument("--test-per-cell", type=int, default=DEFAULTS["test_per_cell"],
+                   help="test problems per (task, k, think) (default: %(default)s)")
+    r.add_argument("--pointer-cycle", action="store_true",
+                   help="pointer chasing over a single n-cycle (the start symbol is never the answer for k < n)")
+    r.add_argument("--arms", default=None, help="comma-separated arms (default: all): " + ", ".join(ARM_BY_NAME))
+    r.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed (default: %(default)s)")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON (per-example lists in results.json)")
+    r.set_defaults(func=lambda args: (run_depth(args), 0)[1])
