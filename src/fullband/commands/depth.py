@@ -56,9 +56,9 @@ from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.engine import run as run_training
 from ..training.pretrain import PretrainRecipe
-from ..utils.io import atomic_write_json, atomic_write_text
+from ..utils.io import atomic_write_json
 from ..utils.stats import bootstrap_ci
-from .experiment_common import apply_quick, pick_arms, save_png
+from .experiment_common import apply_quick, pick_arms, save_png, write_outputs
 from .recipe import finished
 
 
@@ -417,13 +417,7 @@ def run_depth(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     text = tables(res)
     res["plot"] = plot(res, os.path.join(args.out, "depth.png"))
-    atomic_write_json(os.path.join(args.out, "results.json"), res)
-    atomic_write_text(os.path.join(args.out, "report.md"), report(res, text))
-    if args.json:
-        print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "test")}, indent=2))
-    else:
-        print(text)
-        print(f"{res['seconds']:.0f}s; report: {os.path.join(args.out, 'report.md')}")
+    write_outputs(args.out, res, report(res, text), text, args.json, omit=("runs", "test"))
     return res
 
 

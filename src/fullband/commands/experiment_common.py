@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import os
 import shutil
@@ -12,7 +13,7 @@ import sys
 
 from ..training.config import TrainConfig, make_config
 from ..training.pretrain import train
-from ..utils.io import atomic_write_bytes
+from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from .quickstart import copy_branch
 
 # recipe knobs shared by both experiments: (flag, TrainConfig field, type)
@@ -238,3 +239,15 @@ def save_png(fig, path: str, dpi: int = 110) -> str:
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return path
+
+
+def write_outputs(out: str, res: dict, markdown: str, table: str, as_json: bool, omit=(), lead: str = "") -> None:
+    """``results.json`` and ``report.md`` into ``out`` (atomically), then the results as JSON (without the bulky keys
+    in ``omit``) or the table and where the report is."""
+    atomic_write_json(os.path.join(out, "results.json"), res)
+    atomic_write_text(os.path.join(out, "report.md"), markdown)
+    if as_json:
+        print(json.dumps({k: v for k, v in res.items() if k not in omit}, indent=2))
+    else:
+        print(table)
+        print(f"\n{lead}{res['seconds']:.0f}s; report: {os.path.join(out, 'report.md')}")

@@ -48,9 +48,9 @@ from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.presets import get_preset
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
-from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl
+from ..utils.io import atomic_write_json, read_jsonl
 from ..utils.stats import bootstrap_ci
-from .experiment_common import apply_quick, pick_arms, save_png
+from .experiment_common import apply_quick, pick_arms, save_png, write_outputs
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -395,13 +395,7 @@ def run_recipe(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     text = tables(res)
     res["plot"] = plot(res, os.path.join(args.out, "recipe.png"))
-    atomic_write_json(os.path.join(args.out, "results.json"), res)
-    atomic_write_text(os.path.join(args.out, "report.md"), report(res, text))
-    if args.json:
-        print(json.dumps({k: v for k, v in res.items() if k != "per_seed"}, indent=2))
-    else:
-        print(text)
-        print(f"\n{len(seeds)} seed(s), {res['seconds']:.0f}s; report: {os.path.join(args.out, 'report.md')}")
+    write_outputs(args.out, res, report(res, text), text, args.json, omit=("per_seed",), lead=f"{len(seeds)} seed(s), ")
     return res
 
 
