@@ -170,15 +170,14 @@ def _targets(table_rows: list[dict], decode_rows: list[dict]) -> dict:
     """The recipe's targets for the FBT model, checked on held-out text."""
     fbt = {e["mode"]: e["loss"] for e in table_rows if e["model"] == "FBT"}
     dec = {e["mode"]: e["loss"] for e in decode_rows if e["model"] == "FBT"}
-    feedback = {f"{m} (decode)": v for m, v in dec.items() if m != "standard"}
-    feedback.update({"passes": fbt["passes"], "exact": fbt["exact"]})
-    best_mode = min(feedback, key=feedback.get)
-    std = {"passes": fbt["standard"], "exact": fbt["standard"]}
-    worst = max(v - (std.get(m) if m in std else dec["standard"]) for m, v in feedback.items())
+    # every feedback mode beside FBT's standard mode scored on the same tokens: (loss, standard's loss)
+    pairs = {m: (v, fbt["standard"]) for m, v in fbt.items() if m != "standard"}
+    pairs.update({f"{m} (decode)": (v, dec["standard"]) for m, v in dec.items() if m != "standard"})
+    best_mode = min(pairs, key=lambda m: pairs[m][0])
+    worst = max(loss - standard for loss, standard in pairs.values())
     return {
         "best_feedback_mode": best_mode,
-        "best_feedback_not_worse_than_standard": feedback[best_mode] <= (dec["standard"] if "decode" in best_mode
-                                                                       else fbt["standard"]),
+        "best_feedback_not_worse_than_standard": pairs[best_mode][0] <= pairs[best_mode][1],
         "exact_minus_passes": fbt["exact"] - fbt["passes"],
         "exact_within_0.02_of_passes": abs(fbt["exact"] - fbt["passes"]) <= 0.02,
         "worst_feedback_mode_minus_standard": worst,
