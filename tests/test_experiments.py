@@ -120,20 +120,39 @@ def test_data_efficiency_user_errors(data, tmp_path, capsys):
 
 def test_reasoning_smoke(tmp_path, capsys):
     out = tmp_path / "rs"
-    rc = cli.main(["experiment", "reasoning", "--out", str(out), "--preset", "micro", "--steps", "4",
-                   "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--train-problems", "60",
-                   "--test-problems", "5", "--max-new-tokens", "6", "--feedback-start", "0.5", "--bootstrap", "100",
-                   "--task-option", "num_ops=1,2", "--no-progress", "--quiet"])
-    assert rc == 0
+    argv = ["experiment", "reasoning", "--quick", "--out", str(out), "--no-progress", "--quiet"]
+    assert cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| baseline/standard |" in printed and "| FBT/exact |" in printed and "McNemar" in printed
+    assert "| baseline | standard |" in printed and "| FBT | exact |" in printed and "| baseline-flops | standard |" in printed
     res = json.loads((out / "results.json").read_text())
-    assert [r["name"] for r in res["runs"]] == ["baseline/standard", "FBT/standard", "FBT/soft", "FBT/exact"]
-    assert len(res["comparisons"]) == 3 + 2
-    for c in res["comparisons"]:
-        assert 0 <= c["mcnemar_p"] <= 1 and c["n"] == 5 and "length_difference" in c
-    train_q = {json.loads(l)["text"].split("\n")[0] for l in (out / "data" / "train.jsonl").read_text().splitlines()}
-    test_q = {"Q: " + json.loads(l)["question"] for l in (out / "data" / "test.jsonl").read_text().splitlines()}
-    assert not (train_q & test_q)  # no held-out question was trained on
-    assert res["config"]["task_options"] == {"num_ops": [1, 2], "ops": "+-"}  # the default ops, num_ops given
-    assert (out / "report.md").is_file()
+    assert res["seeds"] == [0, 1] and res["training"]["flops_steps"] > res["training"]["steps"]
+    keys = {(r["model"], r["mode"], r["style"]) for r in res["table"]}
+    assert len(keys) == 6 * 4 and ("FBT", "fused", "direct") in keys
+    runs = {(r["seed"], r["model"], r["mode"], r["style"]): r["records"] for r in res["runs"]}
+    # a pooled comparison, recomputed from the per-problem records of both seeds
+    c = next(c for c in res["comparisons"] if (c["a"], c["b"], c["style"]) == ("FBT/exact", "baseline/standard", "free"))
+    a = [x for s in (0, 1) for x in runs[(s, "FBT", "exact", "free")]]
+    b = [x for s in (0, 1) for x in runs[(s, "baseline", "standard", "free")]]
+    assert c["n"] == len(a) == 2 * res["config"]["num_problems"]
+    assert c["a_only"] == sum(x["correct"] and not y["correct"] for x, y in zip(a, b))
+    assert c["b_only"] == sum(y["correct"] and not x["correct"] for x, y in zip(a, b))
+    assert c["trace"]["estimate"] == pytest.approx(sum(x["trace_tokens"] - y["trace_tokens"] for x, y in zip(a, b)) / len(a))
+    assert 0 <= c["mcnemar_p"] <= 1 and c["trace"]["low"] <= c["trace"]["estimate"] <= c["trace"]["high"]
+    assert all(x["verbosity"] == "direct" for x in runs[(1, "FBT", "soft", "direct")])  # forced
+    lines = [json.loads(line)["text"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
+    drawn = res["config"]["verbosity_drawn"]
+    assert sum(drawn.values()) == len(lines) and sum("\nA: ####" in t for t in lines) == drawn["direct"] > 0
+    test_q = {"Q: " + json.loads(line)["question"] for line in (out / "data" / "test.jsonl").read_text().splitlines()}
+    assert not ({t.split("\n")[0] for t in lines} & test_q)  # no held-out question was trained on
+    assert res["config"]["task_options"] == {"num_ops": [3, 4], "ops": "+-"}
+    assert "McNemar" in (out / "report.md").read_text()
+    # a second invocation reuses the finished runs and their decodes
+    stamp = (out / "seed1" / "fbt" / "metrics.jsonl").stat().st_mtime_ns
+    assert cli.main(argv + ["--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (out / "seed1" / "fbt" / "metrics.jsonl").stat().st_mtime_ns == stamp
+    assert again["table"] == res["table"] and "runs" not in again
+    for bad in (["--verbosity-mix", "full=x"], ["--styles", "free,terse"], ["--num-seeds", "0"]):
+        assert cli.main(["experiment", "reasoning", "--quick", "--out", str(tmp_path / "bad"), "--quiet"] + bad) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "bad").exists()

@@ -11,7 +11,13 @@ import torch
 from fullband.cli import main as cli_main
 from fullband.eval import problems as P
 from fullband.eval import reasoning as R
-from fullband.utils.stats import bootstrap_ci, compare_paired, discordant_counts, mcnemar_exact
+from fullband.utils.stats import (
+    bootstrap_ci,
+    compare_paired,
+    discordant_counts,
+    mcnemar_exact,
+    stratified_bootstrap_ci,
+)
 
 # ----------------------------------------------------------------------------- problems
 
@@ -22,6 +28,28 @@ def test_arithmetic_worked_example():
     p = P.Problem("x", "arithmetic", "3+4*2-5=?", "6", "; ".join(steps) + ".")
     assert P.format_example(p) == "Q: 3+4*2-5=?\nA: 4*2=8; 3+8=11; 11-5=6. #### 6"
     assert P.format_example(p, cot=False) == "Q: 3+4*2-5=?\nA: #### 6"
+
+
+def test_partial_traces_are_right_and_shorter():
+    for p in P.arithmetic_problems(200, seed=5, num_ops=(1, 5), ops="+-*"):
+        full = p.solution.rstrip(".").split("; ")
+        part = p.partial.rstrip(".").split("; ")
+        for step in part:  # every written step is a true equation, products before sums
+            lhs, value = step.split("=")
+            assert eval(lhs) == int(value), (p, step)  # noqa: S307 - digits and + - * only
+        assert part[-1].split("=")[1] == p.answer and full[-1].split("=")[1] == p.answer
+        n_sums = sum(1 for s in full if "*" not in s)
+        assert len(part) == len(full) - n_sums + math.ceil(n_sums / 2)
+        assert [s for s in full if "*" in s] == [s for s in part if "*" in s]
+    for p in P.state_problems(50, seed=1) + P.permutation_problems(50, seed=1):
+        full, part = p.solution.rstrip(".").split("; "), p.partial.rstrip(".").split("; ")
+        assert part == [s for j, s in enumerate(full) if j % 2 == 1 or j == len(full) - 1]
+    p = P.arithmetic_problems(1, seed=0, num_ops=(4, 4), ops="+-")[0]
+    assert P.format_target(p, verbosity="direct") == P.format_target(p, cot=False) == f" #### {p.answer}"
+    assert P.format_target(p, verbosity="partial") == f" {p.partial} #### {p.answer}"
+    assert P.format_target(p) == P.format_target(p, verbosity="full") == f" {p.solution} #### {p.answer}"
+    with pytest.raises(ValueError, match="verbosity"):
+        P.format_target(p, verbosity="terse")
 
 
 def test_arithmetic_problems_are_right_and_seeded():
@@ -181,6 +209,18 @@ def test_bootstrap_ci():
         bootstrap_ci([])
 
 
+def test_stratified_bootstrap_ci():
+    groups = [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]  # seed means 0.5 and 1/6
+    ci = stratified_bootstrap_ci(groups, seed=3, n_resamples=4000)
+    assert ci["estimate"] == pytest.approx((0.5 + 1 / 6) / 2)
+    assert 0.0 <= ci["low"] < ci["estimate"] < ci["high"] < 0.75  # resampled means lie in [0, 1]; the 95% span is narrower
+    assert ci == stratified_bootstrap_ci(groups, seed=3, n_resamples=4000)  # seeded
+    const = stratified_bootstrap_ci([[2.0, 2.0], [4.0]], n_resamples=100)
+    assert const == {"estimate": 3.0, "low": 3.0, "high": 3.0}  # nothing to resample: a zero-width interval
+    with pytest.raises(ValueError):
+        stratified_bootstrap_ci([[1.0], []])
+
+
 def test_compare_paired():
     a = [True, True, False, True, False]
     b = [True, False, False, False, True]
@@ -226,6 +266,47 @@ def test_evaluate_reasoning_grades_and_counts(model_dir, monkeypatch):
     assert s["accuracy"] == 0.5 and s["accuracy_flexible"] == 0.75 and s["marker_rate"] == 0.75
 
 
+def test_forced_verbosity(model_dir, monkeypatch):
+    from fullband.eval.scoring import load_any_model
+
+    model, tok = load_any_model(model_dir, device="cpu")
+    problems = P.arithmetic_problems(6, seed=2, num_ops=(3, 4), ops="+-")
+    bos = tok("x")["input_ids"][0]
+    for p in problems:
+        openings = R.style_openings(tok, p)
+        prompt = tok(P.format_prompt(p), add_special_tokens=False)["input_ids"]
+        for v in P.VERBOSITIES:  # each verbosity's answer starts with its own opening and with no other
+            answer = tok(P.format_example(p, True, v), add_special_tokens=False)["input_ids"][len(prompt):]
+            assert answer[: len(openings[v])] == openings[v]
+            assert R.chosen_verbosity(openings, answer) == v
+        assert " ####".startswith(tok.decode(openings["direct"])) and len(openings["direct"]) >= 1
+        assert R.chosen_verbosity(openings, tok(" nonsense", add_special_tokens=False)["input_ids"]) == "other"
+    seen = {}
+
+    def rest_of_target(model, tokenizer, prompts, mode, max_new_tokens, batch_size, prefill_passes=1):
+        seen["prompts"] = prompts
+        out = []
+        for p, ids in zip(problems, prompts):  # the rest of the forced verbosity's answer, as the model would write it
+            full = tokenizer(P.format_example(p, True, seen["v"]) + "\n", add_special_tokens=False)["input_ids"]
+            out.append(full[len(ids) - 1:])
+        return out
+
+    monkeypatch.setattr(R, "generate_completions", rest_of_target)
+    for v in P.VERBOSITIES:
+        seen["v"] = v
+        records = R.evaluate_reasoning(model, tok, problems, "soft", verbosity=v)
+        for p, ids, r in zip(problems, seen["prompts"], records):
+            prompt = tok(P.format_prompt(p), add_special_tokens=False)["input_ids"]
+            assert ids == [bos] + prompt + R.style_openings(tok, p)[v]  # the opening follows the prompt
+            assert r["completion"] == P.format_target(p, True, v) and r["correct"] and r["verbosity"] == v
+            written = tok(P.format_target(p, True, v) + "\n", add_special_tokens=False)["input_ids"]
+            assert r["generated_tokens"] == len(written)  # the opening counts as written
+            assert r["trace_tokens"] == R.trace_length(written[:-1], tok)
+            assert r["trace_tokens"] <= 1 if v == "direct" else r["trace_tokens"] >= 4  # " ####" may be " " + "####"
+    with pytest.raises(ValueError, match="forced verbosity"):
+        R.evaluate_reasoning(model, tok, problems, "soft", verbosity="terse")
+
+
 def test_real_decoding_in_every_mode(model_dir, plain_dir):
     from fullband.eval.scoring import load_any_model
 
@@ -246,6 +327,13 @@ def test_real_decoding_in_every_mode(model_dir, plain_dir):
             with torch.no_grad():
                 alone = model.generate(ids, feedback_mode=mode, max_new_tokens=6, do_sample=False,
                                        pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+            assert toks == alone[:len(toks)] and len(toks) >= 1, (mode, toks, alone)
+        # token-id prompts (a forced opening) decode like the same ids alone
+        forced = [tok(t)["input_ids"] + R.style_openings(tok, p)["partial"] for t, p in zip(prompts, problems)]
+        for ids, toks in zip(forced, R.generate_completions(model, tok, forced, mode, max_new_tokens=4, batch_size=3)):
+            with torch.no_grad():
+                alone = model.generate(torch.tensor([ids]), feedback_mode=mode, max_new_tokens=4, do_sample=False,
+                                       pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
             assert toks == alone[:len(toks)] and len(toks) >= 1, (mode, toks, alone)
     plain, ptok = load_any_model(plain_dir, device="cpu")
     assert R.available_modes(plain) == ("standard",)

@@ -58,8 +58,7 @@ from ..training.engine import run as run_training
 from ..training.pretrain import PretrainRecipe
 from ..utils.io import atomic_write_json
 from ..utils.stats import bootstrap_ci
-from .experiment_common import apply_quick, pick_arms, save_png, write_outputs
-from .recipe import finished
+from .experiment_common import apply_quick, finished, pick_arms, save_png, write_outputs
 
 
 @dataclasses.dataclass(frozen=True)

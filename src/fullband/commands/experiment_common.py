@@ -149,6 +149,24 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True) -> tuple[dict, dic
     return base, fbt, start if share else 0
 
 
+_NOT_TRAJECTORY = ("progress", "tensorboard", "plot", "device", "eval_every", "eval_rows", "save_every",
+                   "keep_checkpoints", "stop_after")
+
+
+def finished(cfg: TrainConfig) -> bool:
+    """Whether ``cfg.out`` holds a finished run of exactly this configuration (a re-run of the experiment, or a
+    second invocation with other arms or seeds, reuses it instead of training it again)."""
+    try:
+        with open(os.path.join(cfg.out, "summary.json")) as f:
+            done = json.load(f).get("status") == "done"
+        with open(os.path.join(cfg.out, "run_config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_TRAJECTORY}
+    return done and all(saved.get(k) == v for k, v in mine.items())
+
+
 def run_name(cfg) -> str:
     return os.path.basename(os.path.normpath(cfg.out))
 
@@ -157,9 +175,6 @@ def check_done(summary: dict) -> None:
     if summary["status"] != "done":
         raise RuntimeError(f"training did not finish: {summary['message']}")
     shutil.rmtree(os.path.join(summary["out"], "checkpoints"), ignore_errors=True)
-
-
-# ============================================================================================== FLOPs
 
 
 # ============================================================================================== interpolation

@@ -20,8 +20,7 @@ from .data_efficiency import DE_DEFAULTS, run_data_efficiency
 from .data_efficiency import __doc__ as data_efficiency_doc
 from .depth import add_parser as add_depth_parser
 from .experiment_common import add_common_arguments, add_recipe_arguments
-from .reasoning_experiment import RS_DEFAULTS, run_reasoning_experiment
-from .reasoning_experiment import __doc__ as reasoning_doc
+from .reasoning_experiment import add_parser as add_reasoning_parser
 from .recipe import add_parser as add_recipe_parser
 
 # ============================================================================================== CLI
@@ -48,30 +47,6 @@ def add_parser(sub) -> None:
     add_recipe_arguments(d)
     d.set_defaults(func=lambda args: (run_data_efficiency(args), 0)[1])
 
-    r = ex.add_parser("reasoning", help="baseline vs FBT trained on synthetic chain-of-thought data: accuracy, "
-                                        "trace length, paired statistics",
-                      description=reasoning_doc.split("\n", 1)[1],
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(r, RS_DEFAULTS)
-    r.add_argument("--task", default=RS_DEFAULTS["task"], choices=["arithmetic", "state", "permutation"],
-                   help="synthetic task (default: arithmetic)")
-    r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
-                   help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
-                        "num_ops=2,3 and ops=+- (the generator's own default, num_ops=2,4 ops=+-*, is too hard for "
-                        "the default budget)")
-    r.add_argument("--train-problems", type=int, default=RS_DEFAULTS["train_problems"],
-                   help=f"training problems (default: {RS_DEFAULTS['train_problems']})")
-    r.add_argument("--test-problems", type=int, default=RS_DEFAULTS["test_problems"],
-                   help=f"held-out problems decoded (default: {RS_DEFAULTS['test_problems']})")
-    r.add_argument("--no-cot", action="store_true", help="train and evaluate without the chain of thought")
-    r.add_argument("--fbt-modes", default="standard,soft,exact", help="FBT decode modes (default: standard,soft,exact)")
-    r.add_argument("--max-new-tokens", type=int, default=RS_DEFAULTS["max_new_tokens"],
-                   help=f"longest completion (default: {RS_DEFAULTS['max_new_tokens']})")
-    r.add_argument("--gen-batch-size", type=int, default=32, help="problems decoded together (default: 32)")
-    r.add_argument("--eval-rows", type=int, default=64, help="held-out rows for the teacher-forced loss (default: 64)")
-    r.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default: 10000)")
-    add_recipe_arguments(r)
-    r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])
-
+    add_reasoning_parser(ex)
     add_recipe_parser(ex)
     add_depth_parser(ex)

@@ -1,45 +1,72 @@
-"""``fullband experiment reasoning``
+"""``fullband experiment reasoning``: reasoning at the edge of the baseline, with traces of mixed verbosity.
 
-    A baseline and an FBT model trained on the same synthetic chain-of-thought data (:mod:`fullband.reasoning`:
-    2-3 step addition and subtraction by default) for the same tokens, then greedy decoding on held-out problems
-    (none of whose questions occur in training): the baseline in standard mode, FBT in standard, soft and exact
-    mode.
-    Reported: accuracy (math-verify), reasoning-trace length (tokens before ``####``), and paired statistics
-    (exact McNemar on correctness, percentile-bootstrap CI of the trace-length difference) between the
-    baseline and each FBT mode and between FBT's modes.
+    Per seed, three models trained on the same synthetic problems in the same order (:mod:`fullband.eval.problems`;
+    by default multi-step addition and subtraction at a difficulty where the baseline with chain of thought is
+    right on roughly half of the held-out problems): ``baseline`` (plain), ``FBT`` (``fullband train``'s recipe,
+    sharing the baseline's first K = 1 steps) on equal tokens, and ``baseline-flops``, the baseline trained for as
+    many training FLOPs as FBT (every pass counted). Each training problem is written in one verbosity drawn at
+    random (``--verbosity-mix``): ``full`` (every step), ``partial`` (about half of the steps written, the others
+    done silently) or ``direct`` (the answer only), so a model can choose how much to write.
+    Held-out problems (none of whose questions occur in training) are decoded greedily by every model in every
+    decode mode it has (FBT: standard, soft, fused, exact), once letting the model choose (``free``) and once per
+    forced verbosity (the prompt followed by that verbosity's opening tokens).
+    Reported per model, mode and verbosity: accuracy (math-verify), mean trace length (tokens before ``####``) and,
+    for ``free``, which verbosity the model chose; paired against the baseline at equal tokens and against
+    ``baseline-flops`` at equal FLOPs, pooled over seeds (the same problems for every seed): exact McNemar on
+    correctness, percentile-bootstrap 95% CIs of the accuracy and trace-length differences (problems resampled
+    within each seed). Finished runs and their decodes are reused.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
+import random
 import time
 
+import numpy as np
 import torch
 from transformers.utils import logging as hf_logging
 
 from ..data.corpus import Corpus, Document, pack, tokenize_documents, train_tokenizer
-from ..eval.problems import ANSWER_MARKER, format_example, make_problems
-from ..eval.reasoning import compare_runs, evaluate_reasoning, report_markdown, summarize
-from ..eval.scoring import evaluate_loss
+from ..eval.problems import ANSWER_MARKER, VERBOSITIES, format_example, make_problems
+from ..eval.reasoning import evaluate_reasoning, summarize
 from ..model.generation import MODES
 from ..model.modeling import load_model
+from ..training.device import load_average
+from ..training.pretrain import train
 from ..utils.io import atomic_write_json, atomic_write_text
-from .experiment_common import base_config, plain_config, say_for, steps_for, train_pair
+from ..utils.stats import mcnemar_exact, stratified_bootstrap_ci
+from .experiment_common import (
+    add_common_arguments,
+    add_recipe_arguments,
+    apply_quick,
+    base_config,
+    check_done,
+    finished,
+    plain_config,
+    say_for,
+    steps_for,
+    train_pair,
+    write_outputs,
+)
 
-RS_DEFAULTS = dict(out=os.path.join("runs", "experiments", "reasoning"), preset="tiny", steps=600, batch_size=16,
+RS_DEFAULTS = dict(out=os.path.join("runs", "experiments", "reasoning"), preset="tiny", steps=1200, batch_size=16,
                    seq_len=128, vocab_size=300, task="arithmetic", train_problems=20000, test_problems=200,
-                   max_new_tokens=64)
-# The default arithmetic problems are 2-3 additions / subtractions of 1..9 ("3+8-9=?" -> "3+8=11; 11-9=2. #### 2"):
-# a chain a `tiny` model learns within the CPU budget. Probes of the baseline (tiny, 16 x 128 tokens a step): the
-# generator's own default (2-4 operators with *) reached 3.5% accuracy after 300 steps (512-entry BPE) and 10% after
-# 600 (300-entry BPE), too close to the floor to compare anything; 2-3 of +/- (300-entry BPE) reached 9% after 300
-# steps and 94% after 600, hence 600 steps.
-TASK_DEFAULTS = {"arithmetic": {"num_ops": (2, 3), "ops": "+-"}}
+                   max_new_tokens=64, num_seeds=2, verbosity_mix="full=1,partial=1,direct=1", styles="free,full,partial,direct",
+                   fbt_modes="standard,soft,fused,exact", gen_batch_size=50, bootstrap=10_000)
+RS_QUICK = dict(preset="micro", steps=6, batch_size=4, seq_len=64, train_problems=200, test_problems=6,
+                max_new_tokens=24, bootstrap=200)
+# Arithmetic at the edge of the default budget: see the README's reasoning section for the probes that chose it.
+TASK_DEFAULTS = {"arithmetic": {"num_ops": (3, 4), "ops": "+-"}}
+STYLES = ("free",) + VERBOSITIES
+BASELINE, FBT, FLOPS = "baseline", "FBT", "baseline-flops"
 
-# ============================================================================================== reasoning
+# ============================================================================================== data
 
 
 def parse_task_options(items: list[str] | None) -> dict:
@@ -59,14 +86,34 @@ def parse_task_options(items: list[str] | None) -> dict:
     return out
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """``--verbosity-mix full=1,partial=1,direct=1`` -> normalised weights (a verbosity left out has weight 0)."""
+    mix = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        try:
+            weight = float(raw)
+        except ValueError:
+            weight = -1.0
+        if not sep or name not in VERBOSITIES or weight < 0 or name in mix:
+            raise ValueError(f"--verbosity-mix takes NAME=WEIGHT pairs with NAME in {', '.join(VERBOSITIES)} "
+                             f"(each once, weights >= 0), got {text!r}")
+        mix[name] = weight
+    total = sum(mix.values())
+    if total <= 0:
+        raise ValueError(f"--verbosity-mix needs a positive weight, got {text!r}")
+    return {v: mix.get(v, 0.0) / total for v in VERBOSITIES}
+
+
 def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options: dict):
     """``(train, test, overlap_removed)``: training problems from ``seed``, test problems from another seed
     with every question that occurs in training removed."""
     if task == "gsm8k":
         raise ValueError("the reasoning experiment trains on synthetic tasks: choose arithmetic, state or permutation")
     try:
-        train = make_problems(task, n_train, seed, **options)
-        seen = {p.question for p in train}
+        train_p = make_problems(task, n_train, seed, **options)
+        seen = {p.question for p in train_p}
         pool = make_problems(task, 4 * n_test, seed + 7_919, **options)
     except TypeError as err:
         raise ValueError(f"--task-option: {err}") from None
@@ -75,155 +122,350 @@ def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options:
     test = test[:n_test]
     if not test:
         raise ValueError("every test question also occurs in training; use a harder task or fewer training problems")
-    return train, test, removed
+    return train_p, test, removed
 
 
-def run_reasoning_experiment(args) -> dict:
-    hf_logging.disable_progress_bar()
-    say = say_for(args)
-    t_all = time.perf_counter()
-    steps = steps_for(args)
-    for name in ("train_problems", "test_problems", "max_new_tokens", "gen_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+def training_documents(problems, mix: dict[str, float], seed: int, cot: bool = True) -> tuple[list[Document], dict]:
+    """One document per problem, written in a verbosity drawn from ``mix`` (seeded); also the counts drawn."""
+    rng = random.Random(f"verbosity:{seed}")
+    names, weights = list(mix), [mix[v] for v in mix]
+    docs, counts = [], dict.fromkeys(VERBOSITIES, 0)
+    for p in problems:
+        v = rng.choices(names, weights)[0] if cot else "direct"
+        counts[v] += 1
+        docs.append(Document(p.id, format_example(p, cot, v)))
+    return docs, counts
 
-    fbt_modes = [m.strip() for m in args.fbt_modes.split(",") if m.strip()]
-    if not fbt_modes or any(m not in MODES for m in fbt_modes):
-        raise ValueError(f"--fbt-modes must be decode modes from {', '.join(MODES)}, got {args.fbt_modes!r}")
-    options = {**TASK_DEFAULTS.get(args.task, {}), **parse_task_options(args.task_option)}
-    cot = not args.no_cot
 
-    # ---- data: problems, documents, tokenizer, rows
-    t = time.perf_counter()
+def build_data(args, options: dict, mix: dict, say) -> tuple:
+    """Problems, training file, tokenizer and packed rows (shared by every seed: the seeds vary init and order)."""
     train_p, test_p, removed = reasoning_problems(args.task, args.train_problems, args.test_problems, args.seed,
                                                   options)
     data_dir = os.path.join(args.out, "data")
     os.makedirs(data_dir, exist_ok=True)
-    train_docs = [Document(p.id, format_example(p, cot)) for p in train_p]
-    test_docs = [Document(p.id, format_example(p, cot)) for p in test_p]
+    docs, counts = training_documents(train_p, mix, args.seed, cot=not args.no_cot)
     train_file = os.path.join(data_dir, "train.jsonl")
-    atomic_write_text(train_file, "".join(json.dumps({"name": d.name, "text": d.text}) + "\n" for d in train_docs))
-    atomic_write_text(os.path.join(data_dir, "test.jsonl"),
-                      "".join(json.dumps(p.to_dict()) + "\n" for p in test_p))
-    tokenizer = train_tokenizer((d.text for d in train_docs), args.vocab_size)
-    train_rows = pack(tokenize_documents(tokenizer, train_docs), args.seq_len)
+    atomic_write_text(train_file, "".join(json.dumps({"name": d.name, "text": d.text}) + "\n" for d in docs))
+    atomic_write_text(os.path.join(data_dir, "test.jsonl"), "".join(json.dumps(p.to_dict()) + "\n" for p in test_p))
+    tokenizer = train_tokenizer((d.text for d in docs), args.vocab_size)
+    rows = pack(tokenize_documents(tokenizer, docs), args.seq_len)
+    corpus = Corpus(tokenizer, rows, torch.empty(0, args.seq_len, dtype=torch.long), [d.name for d in docs], [])
+    say(f"reasoning: {args.task} {options}, {len(train_p):,} training problems ({rows.numel():,} tokens; verbosity "
+        f"drawn: {counts}), {len(test_p)} held-out problems ({removed} candidates dropped as training duplicates)")
+    return train_p, test_p, removed, counts, train_file, tokenizer, corpus
+
+
+# ============================================================================================== training
+
+
+def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
+    """The three runs of one seed: baseline and FBT on equal tokens, the baseline on FBT's training FLOPs."""
+    root = os.path.join(args.out, f"seed{seed}")
+    fbt = base_config(args, os.path.join(root, "fbt"), steps, train_file, seed=seed)
+    base = plain_config(dataclasses.replace(fbt, out=os.path.join(root, "baseline")))
+    if fbt.num_passes < 2:
+        raise ValueError(f"--num-passes must be >= 2 for the FBT run, got {fbt.num_passes}")
+    sched = fbt.schedule()
+    flops_steps = math.ceil(sum(sched.passes_at(i, steps) for i in range(steps)))
+    flops = dataclasses.replace(base, out=os.path.join(root, "baseline-flops"), steps=flops_steps, eval_every=flops_steps)
+    cfgs = {BASELINE: base, FBT: fbt, FLOPS: flops}
+    if args.no_flops_baseline:
+        del cfgs[FLOPS]
+    for c in cfgs.values():
+        c.validate()
+    return cfgs
+
+
+def train_seed(args, cfgs: dict, corpus, say) -> float:
+    """Train what is not finished yet (finished runs of the same configuration are reused); the seconds spent."""
+    t = time.perf_counter()
+    if not (finished(cfgs[BASELINE]) and finished(cfgs[FBT])):
+        say(f"reasoning: training {cfgs[BASELINE].out} and {cfgs[FBT].out}")
+        train_pair(cfgs[BASELINE], cfgs[FBT], corpus, share=not args.no_share_prefix)
+    if FLOPS in cfgs and not finished(cfgs[FLOPS]):
+        say(f"reasoning: training {cfgs[FLOPS].out} ({cfgs[FLOPS].steps} steps)")
+        check_done(train(cfgs[FLOPS], overwrite=True, corpus=corpus, name=f"{FLOPS} seed {cfgs[FLOPS].seed}"))
+    return time.perf_counter() - t
+
+
+# ============================================================================================== decoding
+
+
+def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_modes: list[str], say) -> list[dict]:
+    """Every (model, mode, style) run of one seed, cached in ``OUT/seedN/decodes.json`` keyed by what was decoded."""
+    seed = cfgs[FBT].seed
+    path = os.path.join(os.path.dirname(cfgs[FBT].out), "decodes.json")
     try:
-        val_rows = pack(tokenize_documents(tokenizer, test_docs), args.seq_len)
-    except ValueError:
-        val_rows = torch.empty(0, args.seq_len, dtype=torch.long)
-    corpus = Corpus(tokenizer, train_rows, val_rows, [d.name for d in train_docs], [d.name for d in test_docs])
-    t_data = time.perf_counter() - t
-    runs_dir = os.path.join(args.out, "runs")
-    fbt_cfg = base_config(args, os.path.join(runs_dir, "fbt"), steps, train_file)
-    base_cfg = plain_config(dataclasses.replace(fbt_cfg, out=os.path.join(runs_dir, "baseline")))
-    if fbt_cfg.num_passes < 2:
-        raise ValueError(f"--num-passes must be >= 2 for the FBT run, got {fbt_cfg.num_passes}")
-    fbt_cfg.validate()
-    base_cfg.validate()
-    tokens = steps * fbt_cfg.batch_size * fbt_cfg.seq_len
-    say(f"reasoning: {args.task}, {len(train_p):,} training problems ({train_rows.numel():,} tokens, "
-        f"{tokens / max(1, train_rows.numel()):.2f} epochs over {steps} steps), {len(test_p)} held-out problems "
-        f"({removed} candidates dropped as training duplicates)")
-
-    # ---- training
-    t = time.perf_counter()
-    _, _, shared = train_pair(base_cfg, fbt_cfg, corpus, share=not args.no_share_prefix)
-    t_train = time.perf_counter() - t
-
-    # ---- evaluation
-    t = time.perf_counter()
-    baseline = load_model(base_cfg.out).eval()
-    fbt = load_model(fbt_cfg.out).eval()
-    K = fbt_cfg.num_passes
-    losses = []
-    if val_rows.shape[0]:
-        rows = val_rows[: args.eval_rows]
-        losses.append({"model": "baseline", "mode": "standard", **evaluate_loss(baseline, rows, "standard")})
-        for mode in ("standard", "passes", "exact"):
-            losses.append({"model": "FBT", **evaluate_loss(fbt, rows, mode, num_passes=K)})
-    plan = [("baseline", baseline, "standard")] + [("FBT", fbt, m) for m in fbt_modes]
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    key_base = {"problems": [p.id for p in test_p], "questions_sum": sum(len(p.question) for p in test_p),
+                "max_new_tokens": args.max_new_tokens, "cot": not args.no_cot}
     runs = []
-    for label, model, mode in plan:
-        say(f"reasoning: decoding {len(test_p)} problems, {label} in {mode} mode")
-        recs = evaluate_reasoning(model, tokenizer, test_p, mode, args.max_new_tokens, cot, (), args.gen_batch_size)
-        runs.append({"name": f"{label}/{mode}", "model_name": label, "mode": mode, "summary": summarize(recs),
-                     "records": recs})
-    comparisons = []
-
-    def add(a, b):
-        c = compare_runs(a["records"], b["records"], seed=args.seed, n_resamples=args.bootstrap)
-        c["b_count"], c["c_count"] = c.pop("b"), c.pop("c")
-        comparisons.append({"a": a["name"], "b": b["name"], **c})
-
-    for r in runs[1:]:
-        add(runs[0], r)
-    fbt_runs = runs[1:]
-    for r in fbt_runs[1:]:
-        add(fbt_runs[0], r)
-    t_eval = time.perf_counter() - t
-    wall = time.perf_counter() - t_all
-    report = {
-        "experiment": "reasoning",
-        "config": {"task": args.task, "task_options": {k: list(v) if isinstance(v, tuple) else v
-                                                        for k, v in options.items()},
-                   "data": None, "num_problems": len(test_p), "seed": args.seed, "cot": cot, "shots": 0,
-                   "max_new_tokens": args.max_new_tokens, "train_problems": len(train_p),
-                   "test_candidates_dropped_as_training_duplicates": removed},
-        "runs": runs, "comparisons": comparisons, "notes": [],
-        "held_out_loss": losses,
-        "training": {"steps": steps, "tokens_per_model": tokens, "train_tokens_available": int(train_rows.numel()),
-                     "epochs": tokens / max(1, train_rows.numel()), "shared_prefix_steps": shared,
-                     "preset": fbt_cfg.preset, "batch_size": fbt_cfg.batch_size, "seq_len": fbt_cfg.seq_len,
-                     "vocab_size": len(tokenizer), "lr": fbt_cfg.resolved_lr(),
-                     "recipe": {k: getattr(fbt_cfg, k) for k in ("feedback_start", "num_passes", "deep_passes",
-                                                                  "deep_fraction", "prefix_mix", "jitter",
-                                                                  "feedback_weight", "fusion_lr_mult", "fusion",
-                                                                  "detach_state", "lr_schedule")}},
-        "seconds": {"data": t_data, "train": t_train, "eval": t_eval, "total": wall},
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
-        "answer_marker": ANSWER_MARKER,
-    }
-    table = report_markdown(report)
-    loss_table = ""
-    if losses:
-        loss_table = "\n".join(["| model | mode | held-out CoT loss (nats/token) |", "| --- | --- | ---: |"]
-                               + [f"| {x['model']} | {x['mode'] if x['mode'] != 'passes' else f'passes (K={K})'} | "
-                                  f"{x['loss']:.4f} |" for x in losses])
-    atomic_write_json(os.path.join(args.out, "results.json"), report)
-    atomic_write_text(os.path.join(args.out, "report.md"), reasoning_report(report, table, loss_table))
-    print(table.split("\n", 2)[2] if table.startswith("# ") else table, end="")
-    if loss_table:
-        print("\n" + loss_table)
-    print(f"\n{wall:.0f}s in all (training {t_train:.0f}s, evaluation {t_eval:.0f}s). "
-          f"Report: {os.path.join(args.out, 'report.md')}")
-    return report
+    for label, cfg in cfgs.items():
+        model = None
+        for mode in (fbt_modes if label == FBT else ["standard"]):
+            for style in styles:
+                name = f"{label}/{mode}/{style}"
+                key = {**key_base, "run_mtime": os.path.getmtime(os.path.join(cfg.out, "summary.json"))}
+                hit = cache.get(name)
+                if hit is None or hit.get("key") != key:
+                    model = model or load_model(cfg.out).eval()
+                    say(f"reasoning: seed {seed}: decoding {len(test_p)} problems, {label} in {mode} mode, {style}")
+                    t = time.perf_counter()
+                    recs = evaluate_reasoning(model, tokenizer, test_p, mode, args.max_new_tokens, not args.no_cot,
+                                              (), args.gen_batch_size,
+                                              verbosity=None if style == "free" else style)
+                    hit = cache[name] = {"key": key, "records": recs, "seconds": time.perf_counter() - t}
+                    atomic_write_json(path, cache)
+                runs.append({"seed": seed, "model": label, "mode": mode, "style": style, "records": hit["records"],
+                             "seconds": hit["seconds"]})
+    return runs
 
 
-def reasoning_report(report: dict, table: str, loss_table: str) -> str:
-    tr, cfg, sec = report["training"], report["config"], report["seconds"]
-    r = tr["recipe"]
+# ============================================================================================== statistics
+
+
+def compare(a: list[dict], b: list[dict], seed: int, n_resamples: int) -> dict:
+    """A − B over the same problems of every seed (``a``, ``b``: one run per seed, in the same seed order)."""
+    acc, trace, both = [], [], []
+    for ra, rb in zip(a, b):
+        if [r["id"] for r in ra["records"]] != [r["id"] for r in rb["records"]]:
+            raise ValueError("the two runs did not see the same problems in the same order")
+        ca = np.array([r["correct"] for r in ra["records"]], dtype=float)
+        cb = np.array([r["correct"] for r in rb["records"]], dtype=float)
+        ta = np.array([r["trace_tokens"] for r in ra["records"]], dtype=float)
+        tb = np.array([r["trace_tokens"] for r in rb["records"]], dtype=float)
+        acc.append(ca - cb)
+        trace.append(ta - tb)
+        both.append((ta - tb)[(ca > 0) & (cb > 0)])
+    diffs = np.concatenate(acc)
+    b_count, c_count = int((diffs > 0).sum()), int((diffs < 0).sum())
+    both = [x for x in both if x.size]
+    return {"n": int(diffs.size), "a_only": b_count, "b_only": c_count, "mcnemar_p": mcnemar_exact(b_count, c_count),
+            "accuracy": stratified_bootstrap_ci(acc, seed, n_resamples), "trace": stratified_bootstrap_ci(trace, seed, n_resamples),
+            "trace_both_correct": stratified_bootstrap_ci(both, seed, n_resamples) if both else None}
+
+
+def table_rows(runs: list[dict], seeds: list[int]) -> list[dict]:
+    """One row per (model, mode, style): accuracy and trace length pooled over seeds, per seed, chosen verbosity."""
+    rows = []
+    for key in dict.fromkeys((r["model"], r["mode"], r["style"]) for r in runs):
+        group = [r for r in runs if (r["model"], r["mode"], r["style"]) == key]
+        recs = [x for r in group for x in r["records"]]
+        s = summarize(recs)
+        chosen = {v: sum(1 for x in recs if x.get("verbosity") == v) / len(recs) for v in (*VERBOSITIES, "other")}
+        rows.append({"model": key[0], "mode": key[1], "style": key[2], "accuracy": s["accuracy"],
+                     "mean_trace_tokens": s["mean_trace_tokens"], "marker_rate": s["marker_rate"],
+                     "accuracy_per_seed": [summarize(r["records"])["accuracy"] for r in group],
+                     "trace_per_seed": [summarize(r["records"])["mean_trace_tokens"] for r in group],
+                     "chosen": chosen, "n": len(recs)})
+    return rows
+
+
+def comparisons(runs: list[dict], seeds: list[int], args) -> list[dict]:
+    """FBT (each mode) against the baseline (equal tokens) and baseline-flops (equal FLOPs), and against its own
+    standard mode; per style."""
+    def pick(model, mode, style):
+        got = [r for s in seeds for r in runs if (r["seed"], r["model"], r["mode"], r["style"]) == (s, model, mode, style)]
+        return got if len(got) == len(seeds) else None
+
+    out = []
+    styles = list(dict.fromkeys(r["style"] for r in runs))
+    modes = list(dict.fromkeys(r["mode"] for r in runs if r["model"] == FBT))
+    for style in styles:
+        for mode in modes:
+            a = pick(FBT, mode, style)
+            for ref, ref_mode, kind in ((BASELINE, "standard", "equal tokens"), (FLOPS, "standard", "equal FLOPs"),
+                                        (FBT, "standard", "own standard mode")):
+                b = pick(ref, ref_mode, style)
+                if a is None or b is None or (ref == FBT and mode == "standard"):
+                    continue
+                out.append({"a": f"{FBT}/{mode}", "b": f"{ref}/{ref_mode}", "style": style, "kind": kind,
+                            **compare(a, b, args.seed, args.bootstrap)})
+        if FLOPS in {r["model"] for r in runs}:
+            a, b = pick(FLOPS, "standard", style), pick(BASELINE, "standard", style)
+            if a and b:
+                out.append({"a": f"{FLOPS}/standard", "b": f"{BASELINE}/standard", "style": style,
+                            "kind": "more training (reference)", **compare(a, b, args.seed, args.bootstrap)})
+    return out
+
+
+# ============================================================================================== report
+
+
+def _ci(c: dict | None, digits: int = 3) -> str:
+    if c is None:
+        return "–"
+    return f"{c['estimate']:+.{digits}f} [{c['low']:+.{digits}f}, {c['high']:+.{digits}f}]"
+
+
+def tables(res: dict, full: bool = False) -> str:
+    """The accuracy / trace table, then FBT's paired differences against both baselines (``full``: also against its
+    own standard mode and baseline-flops against the baseline, each with its discordant counts)."""
+    rows = res["table"]
+    styles = list(dict.fromkeys(r["style"] for r in rows))
+    by = {(r["model"], r["mode"], r["style"]): r for r in rows}
+    head, sep = "| model | mode |", "| --- | --- |"
+    for s in styles:
+        head += f" {s}: accuracy (per seed) | {s}: trace |"
+        sep += " ---: | ---: |"
+    if "free" in styles:
+        head += " free: chose full / partial / direct |"
+        sep += " ---: |"
+    lines = [head, sep]
+    for model, mode in dict.fromkeys((r["model"], r["mode"]) for r in rows):
+        line = f"| {model} | {mode} |"
+        for s in styles:
+            r = by[(model, mode, s)]
+            per = " / ".join(f"{x:.2f}" for x in r["accuracy_per_seed"])
+            line += f" {r['accuracy']:.3f} ({per}) | {r['mean_trace_tokens']:.1f} |"
+        if "free" in styles:
+            c = by[(model, mode, "free")]["chosen"]
+            line += f" {c['full']:.2f} / {c['partial']:.2f} / {c['direct']:.2f} |"
+        lines.append(line)
+    comps = res["comparisons"]
+    kinds = ["equal tokens", "equal FLOPs"]
+    main = {(c["a"], c["style"], c["kind"]): c for c in comps}
+    present = [k for k in kinds if any(c["kind"] == k for c in comps)]
+    if present:
+        head = "| FBT mode | verbosity |" + "".join(f" Δ accuracy vs {'baseline' if k == kinds[0] else FLOPS} ({k}) "
+                                                      "[95% CI], McNemar p |" for k in present)
+        head += "".join(f" Δ trace vs {'baseline' if k == kinds[0] else FLOPS} [95% CI] |" for k in present)
+        lines += ["", head, "| --- | --- |" + " ---: |" * (2 * len(present))]
+        for a, style in dict.fromkeys((c["a"], c["style"]) for c in comps if c["kind"] in present):
+            cs = [main.get((a, style, k)) for k in present]
+            lines.append(f"| {a.split('/', 1)[1]} | {style} |"
+                         + "".join(f" {_ci(c['accuracy'])}, p={c['mcnemar_p']:.2g} |" for c in cs)
+                         + "".join(f" {_ci(c['trace'], 1)} |" for c in cs))
+    if full:
+        lines += ["", "| A | B | verbosity | Δ accuracy [95% CI] | A only / B only | McNemar p | Δ trace [95% CI] | "
+                      "Δ trace, both right |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for c in comps:
+            lines.append(f"| {c['a']} | {c['b']} ({c['kind']}) | {c['style']} | {_ci(c['accuracy'])} | "
+                         f"{c['a_only']} / {c['b_only']} | {c['mcnemar_p']:.3g} | {_ci(c['trace'], 1)} | "
+                         f"{_ci(c['trace_both_correct'], 1)} |")
+    return "\n".join(lines)
+
+
+def markdown(res: dict, text: str) -> str:
+    tr, cfg = res["training"], res["config"]
+    mix = ", ".join(f"{v} {w:.0%}" for v, w in cfg["verbosity_mix"].items())
     lines = [
         "# fullband experiment reasoning", "",
-        f"A baseline (K=1 throughout) and an FBT model, preset `{tr['preset']}`, each trained for {tr['steps']} steps "
-        f"x {tr['batch_size']} rows x {tr['seq_len']} tokens = {tr['tokens_per_model']:,} tokens "
-        f"({tr['epochs']:.2f} epochs) of {cfg['train_problems']:,} synthetic `{cfg['task']}` problems written with "
-        f"their chain of thought (`Q: ...\\nA: steps #### answer`, one document each), same seed and data order; "
-        f"a {tr['vocab_size']}-entry BPE trained on them; peak LR {tr['lr']:g} ({r['lr_schedule']}). FBT recipe: "
-        f"plain for the first {r['feedback_start']:.0%} of the steps, then K={r['num_passes']} "
-        f"({r['deep_fraction']:.0%} at K={r['deep_passes']}), prefix mixing p={r['prefix_mix']}, jitter {r['jitter']}, "
-        f"λ={r['feedback_weight']}." + (f" The first {tr['shared_prefix_steps']} steps are shared (identical in both "
-                                         "runs, trained once)." if tr["shared_prefix_steps"] else ""),
-        "",
-        f"Evaluation: {cfg['num_problems']} held-out problems (another seed; "
-        f"{cfg['test_candidates_dropped_as_training_duplicates']} candidates whose question occurs in training were "
-        "dropped), zero-shot, greedy. Modes: *standard* = no feedback; *soft* = the prompt prefilled plainly, every "
-        "generated token fused with the previous step's state; *exact* = the whole sequence through the exact "
-        "recurrence.",
-        "",
-        table.split("\n", 2)[2] if table.startswith("# ") else table,
-    ]
-    if loss_table:
-        lines += ["Teacher-forced loss on the held-out problems' worked solutions:", "", loss_table, ""]
-    lines += [f"Wall time {sec['total']:.0f}s (data {sec['data']:.0f}s, training {sec['train']:.0f}s, evaluation "
-              f"{sec['eval']:.0f}s), {report['threads']} CPU thread(s), torch {report['torch']}.", ""]
+        f"Task `{cfg['task']}` {cfg['task_options']}; {cfg['train_problems']:,} training problems, each written in "
+        f"one verbosity drawn at random ({mix}; drawn: {cfg['verbosity_drawn']}); {cfg['num_problems']} held-out "
+        f"problems ({cfg['test_candidates_dropped_as_training_duplicates']} candidates whose question occurs in "
+        f"training dropped), greedy, at most {cfg['max_new_tokens']} new tokens. Preset `{tr['preset']}`, "
+        f"{tr['batch_size']} x {tr['seq_len']} tokens a step; `{BASELINE}` and `{FBT}` {tr['steps']} steps "
+        f"({tr['tokens_per_model']:,} tokens), `{FLOPS}` {tr['flops_steps']} steps (FBT's training FLOPs, every "
+        f"pass counted); seeds {res['seeds']} (init and data order; the same problems). FBT recipe: "
+        f"{tr['recipe']}.", "",
+        "Verbosity: `free` = the model chooses (greedy); `full` / `partial` / `direct` = the prompt followed by "
+        "that verbosity's opening tokens (counted in the trace). Trace = tokens before `####`. Accuracy pooled over "
+        "seeds (per seed in brackets). Δ: A − B over the same problems of every seed; exact McNemar on the discordant "
+        "pairs (A only / B only); bootstrap CIs resample problems within each seed (not training runs).", "",
+        text, "",
+        f"Wall time {res['seconds']:.0f}s (training {res['train_seconds']:.0f}s in this invocation, decoding "
+        f"{res['decode_seconds']:.0f}s summed, finished runs and decodes reused); load average "
+        f"{res['load_average'][0]} at the start, {res['load_average'][1]} at the end; {res['threads']} thread(s), "
+        f"torch {res['torch']}.", ""]
     return "\n".join(lines)
+
+
+# ============================================================================================== run
+
+
+def run_reasoning_experiment(args) -> dict:
+    hf_logging.disable_progress_bar()
+    apply_quick(args, RS_DEFAULTS, RS_QUICK)
+    say = say_for(args)
+    t_all, load_start = time.perf_counter(), load_average()
+    steps = steps_for(args)
+    for name in ("train_problems", "test_problems", "max_new_tokens", "gen_batch_size", "num_seeds", "bootstrap"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    fbt_modes = [m.strip() for m in args.fbt_modes.split(",") if m.strip()]
+    if not fbt_modes or any(m not in MODES for m in fbt_modes):
+        raise ValueError(f"--fbt-modes must be decode modes from {', '.join(MODES)}, got {args.fbt_modes!r}")
+    styles = [s.strip() for s in args.styles.split(",") if s.strip()]
+    if not styles or any(s not in STYLES for s in styles):
+        raise ValueError(f"--styles must be from {', '.join(STYLES)}, got {args.styles!r}")
+    if args.no_cot and styles != ["free"]:
+        raise ValueError("--no-cot trains on direct answers only: use --styles free")
+    mix = parse_mix(args.verbosity_mix)
+    options = {**TASK_DEFAULTS.get(args.task, {}), **parse_task_options(args.task_option)}
+    train_p, test_p, removed, counts, train_file, tokenizer, corpus = build_data(args, options, mix, say)
+    seeds = [args.seed + i for i in range(args.num_seeds)]
+    runs, train_seconds, configs = [], 0.0, {}
+    for seed in seeds:
+        cfgs = seed_configs(args, seed, steps, train_file)
+        configs[seed] = cfgs
+        train_seconds += train_seed(args, cfgs, corpus, say)
+        runs += decode_seed(args, cfgs, tokenizer, test_p, styles, fbt_modes, say)
+    fbt_cfg = configs[seeds[0]][FBT]
+    res = {
+        "experiment": "reasoning", "seeds": seeds,
+        "config": {"task": args.task, "task_options": {k: list(v) if isinstance(v, tuple) else v
+                                                        for k, v in options.items()},
+                   "num_problems": len(test_p), "cot": not args.no_cot, "max_new_tokens": args.max_new_tokens,
+                   "train_problems": len(train_p), "verbosity_mix": mix, "verbosity_drawn": counts,
+                   "styles": styles, "fbt_modes": fbt_modes,
+                   "test_candidates_dropped_as_training_duplicates": removed},
+        "training": {"steps": steps, "tokens_per_model": steps * fbt_cfg.batch_size * fbt_cfg.seq_len,
+                     "flops_steps": configs[seeds[0]][FLOPS].steps if FLOPS in configs[seeds[0]] else None,
+                     "train_tokens_available": int(corpus.train_rows.numel()), "preset": fbt_cfg.preset,
+                     "batch_size": fbt_cfg.batch_size, "seq_len": fbt_cfg.seq_len, "vocab_size": len(tokenizer),
+                     "lr": fbt_cfg.resolved_lr(),
+                     "recipe": {k: getattr(fbt_cfg, k) for k in ("fusion", "feedback_start", "num_passes",
+                                                                  "deep_passes", "deep_fraction", "lr_schedule",
+                                                                  "fusion_lr_mult", "feedback_ramp")}},
+        "table": table_rows(runs, seeds),
+        "comparisons": comparisons(runs, seeds, args),
+        "runs": runs,
+        "train_seconds": train_seconds, "decode_seconds": sum(r["seconds"] for r in runs),
+        "load_average": [load_start, load_average()], "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "platform": platform.platform(), "answer_marker": ANSWER_MARKER,
+    }
+    res["seconds"] = time.perf_counter() - t_all
+    text = tables(res)
+    write_outputs(args.out, res, markdown(res, tables(res, full=True)), text, args.json, omit=("runs",))
+    return res
+
+
+def add_parser(ex) -> None:
+    r = ex.add_parser("reasoning", help="baseline vs FBT on synthetic problems with traces of mixed verbosity: "
+                                        "accuracy and trace length per mode, equal tokens and equal FLOPs",
+                      description=__doc__.split("\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(r, RS_DEFAULTS)
+    r.add_argument("--task", default=RS_DEFAULTS["task"], choices=["arithmetic", "state", "permutation"],
+                   help="synthetic task (default: arithmetic)")
+    r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
+                   help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
+                        f"{TASK_DEFAULTS['arithmetic']}")
+    r.add_argument("--train-problems", type=int, default=RS_DEFAULTS["train_problems"],
+                   help="training problems (default: %(default)s)")
+    r.add_argument("--test-problems", type=int, default=RS_DEFAULTS["test_problems"],
+                   help="held-out problems decoded (default: %(default)s)")
+    r.add_argument("--num-seeds", type=int, default=RS_DEFAULTS["num_seeds"],
+                   help="training seeds --seed, --seed+1, ... (default: %(default)s)")
+    r.add_argument("--verbosity-mix", default=RS_DEFAULTS["verbosity_mix"],
+                   help="weights of the training verbosities (default: %(default)s)")
+    r.add_argument("--styles", default=RS_DEFAULTS["styles"],
+                   help="how to decode: free (the model chooses) and/or forced full, partial, direct "
+                        "(default: %(default)s)")
+    r.add_argument("--no-cot", action="store_true", help="train on direct answers only (then --styles free)")
+    r.add_argument("--fbt-modes", default=RS_DEFAULTS["fbt_modes"], help="FBT decode modes (default: %(default)s)")
+    r.add_argument("--no-flops-baseline", action="store_true", help="skip the equal-FLOPs baseline")
+    r.add_argument("--max-new-tokens", type=int, default=RS_DEFAULTS["max_new_tokens"],
+                   help="longest completion (default: %(default)s)")
+    r.add_argument("--gen-batch-size", type=int, default=RS_DEFAULTS["gen_batch_size"],
+                   help="problems decoded together (default: %(default)s)")
+    r.add_argument("--bootstrap", type=int, default=RS_DEFAULTS["bootstrap"],
+                   help="bootstrap resamples (default: %(default)s)")
+    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON (per-problem records in "
+                                                       "results.json)")
+    add_recipe_arguments(r)
+    r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])

@@ -49,8 +49,8 @@ from ..training.distributed import resolve_device
 from ..training.presets import get_preset
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
 from ..utils.io import atomic_write_json, read_jsonl
-from ..utils.stats import bootstrap_ci
-from .experiment_common import apply_quick, pick_arms, save_png, write_outputs
+from ..utils.stats import bootstrap_ci, stratified_bootstrap_ci
+from .experiment_common import apply_quick, finished, pick_arms, save_png, write_outputs
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -143,24 +143,6 @@ def switch_on_stats(records: list[dict], first: int = 10) -> dict | None:
             "last_mean_grad_norm": sum(r["grad_norm"] for r in tail) / len(tail)}
 
 
-_NOT_TRAJECTORY = ("progress", "tensorboard", "plot", "device", "eval_every", "eval_rows", "save_every",
-                   "keep_checkpoints", "stop_after")
-
-
-def finished(cfg: TrainConfig) -> bool:
-    """Whether ``cfg.out`` holds a finished run of exactly this configuration (a re-run of the experiment, or a
-    second invocation with other arms or seeds, reuses it instead of training it again)."""
-    try:
-        with open(os.path.join(cfg.out, "summary.json")) as f:
-            done = json.load(f).get("status") == "done"
-        with open(os.path.join(cfg.out, "run_config.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return False
-    mine = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_TRAJECTORY}
-    return done and all(saved.get(k) == v for k, v in mine.items())
-
-
 def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
     """Per-row losses of a finished run in every mode it has (cached in ``OUT/recipe_eval.json``, keyed by what
     was scored), its training FLOPs and its switch-on statistics."""
@@ -238,21 +220,6 @@ def _interp_rows(lo: list[float], hi: list[float], f_lo: float, f_hi: float, f: 
     return [a + w * (b - a) for a, b in zip(lo, hi)]
 
 
-def _pooled_ci(diffs_per_seed: list[list[float]], seed: int, n: int = 2000) -> dict:
-    """Mean over seeds of the per-seed mean row difference, with a percentile bootstrap that resamples rows
-    within each seed."""
-    g = torch.Generator().manual_seed(seed)
-    ds = [torch.tensor(d, dtype=torch.float64) for d in diffs_per_seed]
-    est = float(sum(d.mean() for d in ds) / len(ds))
-    boots = torch.zeros(n, dtype=torch.float64)
-    for d in ds:
-        idx = torch.randint(0, d.numel(), (n, d.numel()), generator=g)
-        boots += d[idx].mean(1)
-    boots /= len(ds)
-    lo, hi = torch.quantile(boots, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"estimate": est, "low": lo, "high": hi}
-
-
 def analyse(seeds: list[dict], arms: list[Arm], boot_seed: int = 0) -> list[dict]:
     """One table row per (arm, mode): loss per seed and mean, paired deltas at equal tokens and equal FLOPs."""
     table = []
@@ -277,12 +244,12 @@ def analyse(seeds: list[dict], arms: list[Arm], boot_seed: int = 0) -> list[dict
             row = {"arm": arm.name, "mode": mode, "loss": sum(per_seed) / len(per_seed), "loss_per_seed": per_seed,
                    "reference": arm.reference, "flops": [s["runs"][arm.name]["flops"] for s in seeds]}
             if arm.name != arm.reference:
-                row["delta_tokens"] = _pooled_ci(d_tok, boot_seed)
+                row["delta_tokens"] = stratified_bootstrap_ci(d_tok, boot_seed)
                 row["delta_tokens_per_seed"] = [bootstrap_ci(d, seed=boot_seed).as_dict() for d in d_tok]
             if mode != "standard":
-                row["delta_vs_own_standard"] = _pooled_ci(d_self, boot_seed)
+                row["delta_vs_own_standard"] = stratified_bootstrap_ci(d_self, boot_seed)
             if flop_ok and arm.name != "baseline":
-                row["delta_flops"] = _pooled_ci(d_flop, boot_seed)
+                row["delta_flops"] = stratified_bootstrap_ci(d_flop, boot_seed)
             table.append(row)
     return table
 

@@ -19,6 +19,7 @@ from ..utils.io import iter_jsonl_objects
 
 ANSWER_MARKER = "####"
 TASKS = ("arithmetic", "state", "permutation", "gsm8k")
+VERBOSITIES = ("full", "partial", "direct")
 
 
 # ----------------------------------------------------------------------------------------------- problems
@@ -29,7 +30,8 @@ class Problem:
     """One question with its gold final answer and (optionally) a worked solution.
 
     ``answer`` is the final answer as text (``"6"``); ``solution`` the chain of thought without the answer
-    marker (``"4*2=8; 3+8=11; 11-5=6."``), empty when there is none; ``meta`` what generated it.
+    marker (``"4*2=8; 3+8=11; 11-5=6."``), empty when there is none; ``partial`` a shorter chain of thought that
+    writes about half the steps (``"4*2=8; 3+8-5=6."``), empty when there is none; ``meta`` what generated it.
     """
 
     id: str
@@ -38,6 +40,7 @@ class Problem:
     answer: str
     solution: str = ""
     meta: dict = field(default_factory=dict, compare=False)
+    partial: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,24 +60,42 @@ def _check_range(name: str, value) -> tuple[int, int]:
 def solve_arithmetic(numbers: list[int], ops: list[str]) -> tuple[int, list[str]]:
     """Evaluate ``n0 op0 n1 op1 ...`` with ``*`` before ``+``/``-`` (then left to right); returns the value and
     the steps (``"4*2=8"``, ...) in the order a person would do them."""
+    value, steps, _ = _solve(numbers, ops)
+    return value, steps
+
+
+def _solve(numbers: list[int], ops: list[str]) -> tuple[int, list[str], list[str]]:
+    """:func:`solve_arithmetic` plus the partial steps: the products written as they are, the additions and
+    subtractions two at a time (``"3+8-5=6"``: the intermediate ``11`` not written)."""
     nums, ops = list(numbers), list(ops)
-    steps = []
+    steps, partial = [], []
     i = 0
     while i < len(ops):
         if ops[i] == "*":
             value = nums[i] * nums[i + 1]
             steps.append(f"{nums[i]}*{nums[i + 1]}={value}")
+            partial.append(steps[-1])
             nums[i:i + 2] = [value]
             del ops[i]
         else:
             i += 1
-    while ops:
-        a, op, b = nums[0], ops[0], nums[1]
+    lhs = str(nums[0])
+    for j, op in enumerate(ops):
+        a, b = nums[0], nums[1]
         value = a + b if op == "+" else a - b
         steps.append(f"{a}{op}{b}={value}")
+        lhs += f"{op}{b}"
+        if j % 2 == 1 or j == len(ops) - 1:
+            partial.append(f"{lhs}={value}")
+            lhs = str(value)
         nums[0:2] = [value]
-        del ops[0]
-    return nums[0], steps
+    return nums[0], steps, partial
+
+
+def _every_other(steps: list[str]) -> str:
+    """A partial trace of independent steps: every second one written, the last one always."""
+    kept = [s for j, s in enumerate(steps) if j % 2 == 1 or j == len(steps) - 1]
+    return "; ".join(kept) + "."
 
 
 def arithmetic_problems(n: int, seed: int = 0, num_ops=(2, 4), max_operand: int = 9, ops: str = "+-*") -> list[Problem]:
@@ -92,10 +113,11 @@ def arithmetic_problems(n: int, seed: int = 0, num_ops=(2, 4), max_operand: int 
         k = rng.randint(lo, hi)
         numbers = [rng.randint(1, max_operand) for _ in range(k + 1)]
         chosen = [rng.choice(ops) for _ in range(k)]
-        value, steps = solve_arithmetic(numbers, chosen)
+        value, steps, partial = _solve(numbers, chosen)
         expr = "".join(f"{a}{op}" for a, op in zip(numbers, chosen)) + str(numbers[-1])
         out.append(Problem(f"arithmetic-{seed}-{i}", "arithmetic", f"{expr}=?", str(value), "; ".join(steps) + ".",
-                           {"num_ops": k, "steps": len(steps)}))
+                           {"num_ops": k, "steps": len(steps), "partial_steps": len(partial)},
+                           "; ".join(partial) + "."))
     return out
 
 
@@ -136,7 +158,7 @@ def state_problems(n: int, seed: int = 0, num_vars: int = 3, num_steps=(3, 5), m
         query = rng.choice(names)
         question = f"{init}. {'; '.join(stmts)}. What is {query}?"
         out.append(Problem(f"state-{seed}-{i}", "state", question, str(values[query]), "; ".join(steps) + ".",
-                           {"num_vars": num_vars, "steps": k}))
+                           {"num_vars": num_vars, "steps": k, "partial_steps": (k + 1) // 2}, _every_other(steps)))
     return out
 
 
@@ -165,7 +187,8 @@ def permutation_problems(n: int, seed: int = 0, num_items: int = 4, num_swaps=(3
         question = (f"Boxes 1-{num_items} hold {' '.join(items)}. {'; '.join(swaps).capitalize()}. "
                     f"Which box holds {item}?")
         out.append(Problem(f"permutation-{seed}-{i}", "permutation", question, str(boxes.index(item) + 1),
-                           "; ".join(states) + ".", {"num_items": num_items, "steps": k}))
+                           "; ".join(states) + ".", {"num_items": num_items, "steps": k, "partial_steps": (k + 1) // 2},
+                           _every_other(states)))
     return out
 
 
@@ -218,13 +241,24 @@ def make_problems(task: str, n: int = 100, seed: int = 0, data: str | None = Non
 # ----------------------------------------------------------------------------------------------- format
 
 
-def format_target(problem: Problem, cot: bool = True) -> str:
-    """What the model should write after the prompt: ``" {solution} #### {answer}"`` (``" #### {answer}"``
-    without a chain of thought or when the problem has no solution). A multi-line solution puts the marker on
-    its own line, as GSM8K does."""
-    if cot and problem.solution:
-        sep = "\n" if "\n" in problem.solution else " "
-        return f" {problem.solution}{sep}{ANSWER_MARKER} {problem.answer}"
+def trace_text(problem: Problem, verbosity: str = "full") -> str:
+    """The chain of thought a completion of ``verbosity`` writes: the solution (``full``), the partial one
+    (``partial``; the full one when the problem has none) or nothing (``direct``)."""
+    if verbosity not in VERBOSITIES:
+        raise ValueError(f"unknown verbosity {verbosity!r}: choose one of {', '.join(VERBOSITIES)}")
+    if verbosity == "direct":
+        return ""
+    return problem.partial if verbosity == "partial" and problem.partial else problem.solution
+
+
+def format_target(problem: Problem, cot: bool = True, verbosity: str = "full") -> str:
+    """What the model should write after the prompt: ``" {trace} #### {answer}"`` with the trace of ``verbosity``
+    (:func:`trace_text`), or ``" #### {answer}"`` without a chain of thought or when there is no trace. A
+    multi-line trace puts the marker on its own line, as GSM8K does."""
+    trace = trace_text(problem, verbosity) if cot else ""
+    if trace:
+        sep = "\n" if "\n" in trace else " "
+        return f" {trace}{sep}{ANSWER_MARKER} {problem.answer}"
     return f" {ANSWER_MARKER} {problem.answer}"
 
 
@@ -235,6 +269,6 @@ def format_prompt(problem: Problem, shots=(), cot: bool = True) -> str:
     return "\n\n".join(parts)
 
 
-def format_example(problem: Problem, cot: bool = True) -> str:
-    """A complete training example: prompt followed by target."""
-    return format_prompt(problem, cot=cot) + format_target(problem, cot)
+def format_example(problem: Problem, cot: bool = True, verbosity: str = "full") -> str:
+    """A complete training example: prompt followed by the target of ``verbosity``."""
+    return format_prompt(problem, cot=cot) + format_target(problem, cot, verbosity)

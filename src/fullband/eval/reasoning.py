@@ -24,7 +24,9 @@ from ..model.modeling import max_positions
 from ..utils.stats import compare_paired
 from .problems import (
     ANSWER_MARKER,
+    VERBOSITIES,
     Problem,
+    format_example,
     format_prompt,
 )
 
@@ -152,10 +154,10 @@ class _StopOnText(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def generate_completions(model, tokenizer, prompts: list[str], mode: str = "standard", max_new_tokens: int = 128,
+def generate_completions(model, tokenizer, prompts: list, mode: str = "standard", max_new_tokens: int = 128,
                          batch_size: int = 8, prefill_passes: int = 1) -> list[list[int]]:
-    """Greedy completions of ``prompts`` in decode ``mode``: the generated token ids of each, cut after EOS (kept)
-    or after the token that reaches the stop point (:func:`stop_index`).
+    """Greedy completions of ``prompts`` (texts, or token-id lists with their BOS) in decode ``mode``: the generated
+    token ids of each, cut after EOS (kept) or after the token that reaches the stop point (:func:`stop_index`).
 
     Decodes with :func:`fullband.generation.generate` (left-padded batches of ``batch_size``; ``prefill_passes``
     for ``fused``). New tokens are capped so that prompt + completion fit the backbone's positions.
@@ -177,7 +179,9 @@ def generate_completions(model, tokenizer, prompts: list[str], mode: str = "stan
     results: list[list[int]] = []
     try:
         for i in range(0, len(prompts), batch_size):
-            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True)
+            chunk = prompts[i:i + batch_size]
+            enc = (tokenizer(chunk, return_tensors="pt", padding=True) if isinstance(chunk[0], str) else
+                   tokenizer.pad({"input_ids": chunk}, return_tensors="pt", padding=True))
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
             n = max_new_tokens if limit is None else min(max_new_tokens, limit - ids.shape[1])
             if n < 1:
@@ -208,23 +212,72 @@ def _cut(toks: list[int], tokenizer, eos: int | None) -> list[int]:
     return toks[:lo]
 
 
+# ----------------------------------------------------------------------------------------------- verbosity
+
+
+def style_openings(tokenizer, problem: Problem) -> dict[str, list[int]]:
+    """For each verbosity of :data:`VERBOSITIES`, the shortest opening of its answer (token ids after the prompt, as
+    the training text is tokenized) that no other verbosity's answer starts with: ``" ####"`` (or its first token) for
+    ``direct``,
+    ``" 3+8="`` vs ``" 3+8-5"`` for ``full`` vs ``partial``. A verbosity whose answer is the same as another's
+    (a problem too short to shorten) shares its opening. Appended to the prompt, an opening makes a model continue
+    in that verbosity; a completion that starts with one chose it."""
+    prompt = tokenizer(format_prompt(problem), add_special_tokens=False)["input_ids"]
+    answers = {}
+    for v in VERBOSITIES:
+        ids = tokenizer(format_example(problem, True, v), add_special_tokens=False)["input_ids"]
+        if ids[: len(prompt)] != prompt:
+            raise ValueError(f"the tokenizer splits the prompt of {problem.id!r} differently inside its answer")
+        answers[v] = ids[len(prompt):]
+    out = {}
+    for v, ids in answers.items():
+        others = [o for o in answers.values() if o != ids]
+        j = 0
+        while j < len(ids) and any(o[: j + 1] == ids[: j + 1] for o in others):
+            j += 1
+        out[v] = ids[: j + 1]
+    return out
+
+
+def chosen_verbosity(openings: dict[str, list[int]], completion: list[int]) -> str:
+    """The verbosity a completion (its token ids) chose: the one whose opening it starts with, ``other`` if none."""
+    for v, ids in openings.items():
+        if completion[: len(ids)] == ids:
+            return v
+    return "other"
+
+
 # ----------------------------------------------------------------------------------------------- evaluation
 
 
 def evaluate_reasoning(model, tokenizer, problems: list[Problem], mode: str = "standard", max_new_tokens: int = 128,
-                       cot: bool = True, shots=(), batch_size: int = 8, prefill_passes: int = 1) -> list[dict]:
+                       cot: bool = True, shots=(), batch_size: int = 8, prefill_passes: int = 1,
+                       verbosity: str | None = None) -> list[dict]:
     """Decode every problem greedily in ``mode`` and grade it; one record per problem, in order.
 
+    ``verbosity`` (``full``, ``partial``, ``direct``) forces one: the prompt is followed by that verbosity's
+    opening (:func:`style_openings`), which counts as part of the completion; ``None`` lets the model choose.
     A record holds ``id``, ``task``, ``gold``, ``completion`` (text up to the stop point), ``answer`` (strict,
     after ``####``) and ``answer_flexible``, ``correct`` / ``correct_flexible`` (math-verify),
     ``marker_found``, ``trace_tokens`` (:func:`trace_length`), ``generated_tokens`` (tokens until the stop,
-    EOS excluded) and ``hit_eos``.
+    EOS excluded; a forced opening included), ``hit_eos`` and ``verbosity`` (the one chosen or forced:
+    :func:`chosen_verbosity`, without shots only).
     """
+    if verbosity is not None and (verbosity not in VERBOSITIES or shots or not cot):
+        raise ValueError(f"a forced verbosity is one of {', '.join(VERBOSITIES)}, zero-shot with a chain of thought; "
+                         f"got {verbosity!r}")
     prompts = [format_prompt(p, shots, cot) for p in problems]
+    openings = [style_openings(tokenizer, p) for p in problems] if not shots and cot else None
+    forced = [[] for _ in problems]
+    if verbosity is not None:
+        forced = [o[verbosity] for o in openings]
+        bos = special_bos(tokenizer)
+        prompts = [bos + tokenizer(t, add_special_tokens=False)["input_ids"] + f for t, f in zip(prompts, forced)]
     completions = generate_completions(model, tokenizer, prompts, mode, max_new_tokens, batch_size, prefill_passes)
     eos = tokenizer.eos_token_id
     records = []
-    for p, toks in zip(problems, completions):
+    for i, (p, gen) in enumerate(zip(problems, completions)):
+        toks = forced[i] + gen
         hit_eos = eos is not None and bool(toks) and toks[-1] == eos
         body = toks[:-1] if hit_eos else toks
         text = truncate_completion(tokenizer.decode(body, skip_special_tokens=True))
@@ -236,8 +289,16 @@ def evaluate_reasoning(model, tokenizer, problems: list[Problem], mode: str = "s
             "marker_found": strict is not None,
             "trace_tokens": trace_length(body, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)),
             "generated_tokens": len(body), "hit_eos": hit_eos,
+            "verbosity": chosen_verbosity(openings[i], body) if openings else None,
         })
     return records
+
+
+def special_bos(tokenizer) -> list[int]:
+    """What the tokenizer puts before a text (its BOS), as token ids."""
+    with_special = tokenizer("x")["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    return with_special[: len(with_special) - len(plain)]
 
 
 def summarize(records: list[dict]) -> dict:

@@ -5,9 +5,10 @@ Owns
 * :func:`discordant_counts` — ``(b, c)`` from two per-problem correctness lists;
 * :func:`bootstrap_ci` — a seeded percentile-bootstrap confidence interval of the mean of paired differences;
 * :func:`compare_paired` — both at once for two runs over the same problems (accuracy difference with McNemar,
-  mean difference of a per-problem number such as the reasoning-trace length with its bootstrap CI).
+  mean difference of a per-problem number such as the reasoning-trace length with its bootstrap CI);
+* :func:`stratified_bootstrap_ci` — the same CI for differences from several training seeds, resampled within each.
 
-Pure Python + numpy; scipy is not needed.
+Python, numpy and torch's seeded generator; scipy is not needed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 from typing import NamedTuple, Sequence
 
 import numpy as np
+import torch
 
 
 class ConfidenceInterval(NamedTuple):
@@ -119,3 +121,22 @@ def compare_paired(correct_a: Sequence[bool], correct_b: Sequence[bool],
         out["length_difference_both_correct"] = (bootstrap_ci(both, seed, n_resamples, confidence).as_dict()
                                                  if both else None)
     return out
+
+
+def stratified_bootstrap_ci(diffs_per_group: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 2000,
+                            confidence: float = 0.95) -> dict:
+    """Mean over groups (training seeds) of each group's mean paired difference, with a percentile-bootstrap CI
+    that resamples the differences within each group (problems or rows, never across seeds); seeded and
+    deterministic. Returns ``{"estimate", "low", "high"}``."""
+    groups = [torch.tensor(list(d), dtype=torch.float64) for d in diffs_per_group]
+    if not groups or any(g.numel() == 0 for g in groups):
+        raise ValueError("stratified_bootstrap_ci needs at least one difference in every group")
+    g = torch.Generator().manual_seed(seed)
+    boots = torch.zeros(n_resamples, dtype=torch.float64)
+    for d in groups:
+        idx = torch.randint(0, d.numel(), (n_resamples, d.numel()), generator=g)
+        boots += d[idx].mean(1)
+    boots /= len(groups)
+    alpha = (1.0 - confidence) / 2.0
+    lo, hi = torch.quantile(boots, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)).tolist()
+    return {"estimate": float(sum(d.mean() for d in groups) / len(groups)), "low": lo, "high": hi}
