@@ -139,6 +139,13 @@ def test_reasoning_smoke(tmp_path, capsys):
     assert c["trace"]["estimate"] == pytest.approx(sum(x["trace_tokens"] - y["trace_tokens"] for x, y in zip(a, b)) / len(a))
     assert 0 <= c["mcnemar_p"] <= 1 and c["trace"]["low"] <= c["trace"]["estimate"] <= c["trace"]["high"]
     assert all(x["verbosity"] == "direct" for x in runs[(1, "FBT", "soft", "direct")])  # forced
+    # baseline-flops is the baseline trained longer: the same steps until the baseline's LR decays
+    base_log, flops_log = (read_jsonl(out / "seed1" / r / "metrics.jsonl") for r in ("baseline", "baseline-flops"))
+    base_log, flops_log = ([r for r in log if r.get("split") == "train"] for log in (base_log, flops_log))
+    assert len(flops_log) == res["training"]["flops_steps"]
+    n = len(base_log)  # each step logs the loss before its update: the paths part at the baseline's last step's LR
+    assert [r["loss"] for r in flops_log[:n]] == [r["loss"] for r in base_log]
+    assert [r["lr"] for r in flops_log[:n - 1]] == [r["lr"] for r in base_log[:-1]] and flops_log[n - 1]["lr"] > base_log[-1]["lr"]
     lines = [json.loads(line)["text"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
     drawn = res["config"]["verbosity_drawn"]
     assert sum(drawn.values()) == len(lines) and sum("\nA: ####" in t for t in lines) == drawn["direct"] > 0

@@ -152,6 +152,27 @@ def test_fusion_lr_mult_survives_resume(data, tmp_path):
         assert r["fusion_lr"] == pytest.approx(10 * r["lr"])
 
 
+def test_a_longer_run_branches_off_a_shorter_ones_checkpoint(data, tmp_path, capsys):
+    plain = ["--num-passes", "1", "--lr-schedule", "wsd", "--decay-fraction", "0.2"]
+    longer = [*plain, "--warmup-fraction", repr(2 / 14)]  # the same 2 warm-up steps over 14
+    ref = tmp_path / "ref"
+    assert cli.main(train_args(data, ref, *longer, steps=14)) == 0
+    # a 10-step run (warm-up 2, decay from step 8) stopped after 7 steps, continued as the 14-step run
+    out = tmp_path / "branch"
+    assert cli.main(train_args(data, out, *plain, "--warmup-fraction", "0.2", "--stop-after", "7", steps=10)) == 0
+    assert cli.main(train_args(data, out, *longer, "--resume", steps=14)) == 0
+    got, want = train_records(out), train_records(ref)
+    assert [r["step"] for r in got] == list(range(1, 15))
+    assert [(r["loss"], r["lr"]) for r in got] == [(r["loss"], r["lr"]) for r in want]  # bitwise the longer run
+    # past the shorter run's decay start the paths differ: refused, nothing changed
+    late = tmp_path / "late"
+    assert cli.main(train_args(data, late, *plain, "--warmup-fraction", "0.2", "--stop-after", "9", steps=10)) == 0
+    capsys.readouterr()
+    assert cli.main(train_args(data, late, *longer, "--resume", steps=14)) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert len(train_records(late)) == 9
+
+
 def test_lambda_ramp_and_fusion_warmup_follow_the_feedback_phase(data, tmp_path):
     out = tmp_path / "run"
     assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--feedback-ramp", "0.6",

@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 
-from ..training.config import TrainConfig, make_config
+from ..training.config import TrainConfig, make_config, same_path
 from ..training.pretrain import train
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from .quickstart import copy_branch
@@ -129,22 +129,49 @@ def plain_config(cfg):
     return dataclasses.replace(cfg, num_passes=1, deep_passes=1)
 
 
-def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True) -> tuple[dict, dict, int]:
-    """Train the baseline and the FBT run (same steps, seed, data). With ``share``, the K = 1 steps before the
-    feedback start (identical in both) are trained once and the FBT run resumes from the baseline's checkpoint
-    there. Returns both summaries and the number of shared steps."""
+def branch_step(base_cfg, other_cfg) -> int:
+    """How many first steps ``other_cfg`` shares with ``base_cfg`` (:func:`fullband.training.config.same_path`: the
+    same LR, no feedback yet); 0 when none."""
+    n = min(base_cfg.steps, other_cfg.steps)
+    lo, hi = 0, n  # the largest shared prefix, by bisection (same_path of a prefix holds for every shorter one)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if same_path(base_cfg, other_cfg, mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None) -> tuple[dict, dict, int]:
+    """Train the baseline and the FBT run (same steps, seed, data), and ``longer_cfg`` when given (a plain run of more
+    steps, e.g. the baseline at the FBT run's training FLOPs). With ``share``, steps identical in several runs are
+    trained once: the K = 1 steps before the feedback start, and the baseline's steps before its LR schedule parts
+    from ``longer_cfg``'s (:func:`branch_step`); each branch resumes from the baseline's checkpoint there. Returns
+    the baseline's and FBT's summaries (and checks ``longer_cfg``'s) and the number of steps FBT shares."""
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     share = share and 0 < start < fbt_cfg.steps and base_cfg.steps == fbt_cfg.steps
-    if share:
-        first = train(dataclasses.replace(base_cfg, stop_after=start), overwrite=True, corpus=corpus,
-                      name=f"{run_name(base_cfg)}+{run_name(fbt_cfg)} (shared K=1 steps)")
-        copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
-        base = train(base_cfg, resume=True, corpus=corpus, name=run_name(base_cfg))
-        fbt = train(fbt_cfg, resume=True, corpus=corpus, name=run_name(fbt_cfg))
-    else:
-        base = train(base_cfg, overwrite=True, corpus=corpus, name=run_name(base_cfg))
-        fbt = train(fbt_cfg, overwrite=True, corpus=corpus, name=run_name(fbt_cfg))
-    for s in (base, fbt):
+    branches = [(start, fbt_cfg)] if share else []
+    if longer_cfg is not None and share:
+        at = min(branch_step(base_cfg, longer_cfg), base_cfg.steps - 1)
+        if at > 0:
+            branches.append((at, longer_cfg))
+    resume = False
+    for at in sorted({at for at, _ in branches}):
+        names = "+".join(run_name(c) for a, c in branches if a == at)
+        first = train(dataclasses.replace(base_cfg, stop_after=at), resume=resume, overwrite=not resume, corpus=corpus,
+                      name=f"{run_name(base_cfg)}+{names} (shared steps)")
+        for cfg in (c for a, c in branches if a == at):
+            copy_branch(base_cfg.out, cfg.out, first["checkpoint"], at)
+        resume = True
+    base = train(base_cfg, resume=resume, overwrite=not resume, corpus=corpus, name=run_name(base_cfg))
+    fbt = train(fbt_cfg, resume=share, overwrite=not share, corpus=corpus, name=run_name(fbt_cfg))
+    summaries = [base, fbt]
+    if longer_cfg is not None:
+        branched = any(cfg is longer_cfg for _, cfg in branches)
+        summaries.append(train(longer_cfg, resume=branched, overwrite=not branched, corpus=corpus,
+                               name=run_name(longer_cfg)))
+    for s in summaries:
         check_done(s)
     return base, fbt, start if share else 0
 

@@ -2,8 +2,9 @@
 
 * ``data-efficiency`` (:mod:`.data_efficiency`): baselines at several token budgets vs FBT at 1x -- the effective
   token multiplier and the matched-compute comparison;
-* ``reasoning`` (:mod:`.reasoning_experiment`): baseline vs FBT on synthetic chain-of-thought data -- accuracy,
-  trace length, paired statistics;
+* ``reasoning`` (:mod:`.reasoning_experiment`): baseline, FBT and an equal-FLOPs baseline on synthetic problems
+  written with traces of mixed verbosity -- accuracy and trace length per decode mode and verbosity, >= 2 seeds,
+  paired statistics;
 * ``recipe`` (:mod:`.recipe`): the feedback recipe grid -- every mode, equal tokens and equal FLOPs, >= 2 seeds;
 * ``depth`` (:mod:`.depth`): k-hop pointer chasing and iterated composition -- does FBT(L) reach baseline(2L)?
 
@@ -27,7 +28,7 @@ from .recipe import add_parser as add_recipe_parser
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning",
+    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning, depth",
                        description=__doc__.split("\n\n")[0])
     ex = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])

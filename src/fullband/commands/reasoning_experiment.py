@@ -38,7 +38,6 @@ from ..eval.reasoning import evaluate_reasoning, summarize
 from ..model.generation import MODES
 from ..model.modeling import load_model
 from ..training.device import load_average
-from ..training.pretrain import train
 from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.stats import mcnemar_exact, stratified_bootstrap_ci
 from .experiment_common import (
@@ -46,7 +45,6 @@ from .experiment_common import (
     add_recipe_arguments,
     apply_quick,
     base_config,
-    check_done,
     finished,
     plain_config,
     say_for,
@@ -167,7 +165,9 @@ def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
         raise ValueError(f"--num-passes must be >= 2 for the FBT run, got {fbt.num_passes}")
     sched = fbt.schedule()
     flops_steps = math.ceil(sum(sched.passes_at(i, steps) for i in range(steps)))
-    flops = dataclasses.replace(base, out=os.path.join(root, "baseline-flops"), steps=flops_steps, eval_every=flops_steps)
+    warm = round(base.warmup_fraction * steps)  # the same warm-up steps: the runs share a path until the decay
+    flops = dataclasses.replace(base, out=os.path.join(root, "baseline-flops"), steps=flops_steps, eval_every=flops_steps,
+                                warmup_fraction=warm / flops_steps)
     cfgs = {BASELINE: base, FBT: fbt, FLOPS: flops}
     if args.no_flops_baseline:
         del cfgs[FLOPS]
@@ -177,14 +177,13 @@ def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
 
 
 def train_seed(args, cfgs: dict, corpus, say) -> float:
-    """Train what is not finished yet (finished runs of the same configuration are reused); the seconds spent."""
+    """Train the seed's runs unless all are finished (finished runs of the same configuration are reused); the
+    seconds spent. ``baseline-flops`` branches off the baseline where their LR schedules part."""
+    if all(finished(c) for c in cfgs.values()):
+        return 0.0
+    say(f"reasoning: training {', '.join(c.out for c in cfgs.values())}")
     t = time.perf_counter()
-    if not (finished(cfgs[BASELINE]) and finished(cfgs[FBT])):
-        say(f"reasoning: training {cfgs[BASELINE].out} and {cfgs[FBT].out}")
-        train_pair(cfgs[BASELINE], cfgs[FBT], corpus, share=not args.no_share_prefix)
-    if FLOPS in cfgs and not finished(cfgs[FLOPS]):
-        say(f"reasoning: training {cfgs[FLOPS].out} ({cfgs[FLOPS].steps} steps)")
-        check_done(train(cfgs[FLOPS], overwrite=True, corpus=corpus, name=f"{FLOPS} seed {cfgs[FLOPS].seed}"))
+    train_pair(cfgs[BASELINE], cfgs[FBT], corpus, share=not args.no_share_prefix, longer_cfg=cfgs.get(FLOPS))
     return time.perf_counter() - t
 
 

@@ -19,7 +19,7 @@ from typing import ClassVar
 from ..model.feedback import check_fusion_name
 from . import distributed as D
 from .presets import get_preset
-from .schedule import FeedbackSchedule, SwitchOn
+from .schedule import FeedbackSchedule, SwitchOn, lr_at
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -304,11 +304,29 @@ def trajectory_diff(old, new) -> tuple[list[str], list[str]]:
     return diff, branch
 
 
+# the length of a run and the shape of its LR schedule: a run may continue from another's checkpoint with other
+# values when everything before the checkpoint stays the same (:func:`same_path`)
+SCHEDULE_FIELDS = ("steps", "warmup_fraction", "decay_fraction", "min_lr_ratio", "lr_schedule")
+
+
+def same_path(old, new, step: int) -> bool:
+    """Whether runs ``old`` and ``new`` take the same first ``step`` steps: the same LR at each and no feedback
+    before ``step`` in either (both plain, or ``step`` at or before both feedback starts)."""
+    plain = old.num_passes == new.num_passes == 1
+    if not plain and (step > old.schedule().start_step(old.steps) or step > new.schedule().start_step(new.steps)):
+        return False
+    return all(lr_at(i, old) == lr_at(i, new) for i in range(step))
+
+
 def check_resume(cfg, trainer_state: dict, world_size: int, is_main: bool = True) -> None:
-    """Refuse a resumed run that changes its trajectory (``ValueError``); warn when the number of processes differs."""
+    """Refuse a resumed run that changes its trajectory (``ValueError``); warn when the number of processes differs.
+    The run's length and LR-schedule shape (:data:`SCHEDULE_FIELDS`) may change when the steps already taken are
+    the same in both (:func:`same_path`): a longer run branched off a shorter one's checkpoint."""
     cls = type(cfg)
     old = cls(**{k: v for k, v in trainer_state["config"].items() if k in field_map(cls)})
     diff, branch = trajectory_diff(old, cfg)
+    if diff and set(diff) <= set(SCHEDULE_FIELDS) and same_path(old, cfg, trainer_state["step"]):
+        diff = []
     if diff:
         raise ValueError(f"--resume: {', '.join('--' + flag_name(d) for d in diff)} differ from the checkpoint's run; "
                          "a resumed run must keep them (start a new --out to change them)")
