@@ -38,6 +38,7 @@ from ..eval.reasoning import evaluate_reasoning, summarize
 from ..model.generation import MODES
 from ..model.modeling import load_model
 from ..training.device import load_average
+from ..training.distributed import resolve_device
 from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.stats import mcnemar_exact, stratified_bootstrap_ci
 from .experiment_common import (
@@ -210,7 +211,7 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
                 key = {**key_base, "run_mtime": os.path.getmtime(os.path.join(cfg.out, "summary.json"))}
                 hit = cache.get(name)
                 if hit is None or hit.get("key") != key:
-                    model = model or load_model(cfg.out).eval()
+                    model = model or load_model(cfg.out).to(resolve_device(args.device)).eval()
                     say(f"reasoning: seed {seed}: decoding {len(test_p)} problems, {label} in {mode} mode, {style}")
                     t = time.perf_counter()
                     recs = evaluate_reasoning(model, tokenizer, test_p, mode, args.max_new_tokens, not args.no_cot,
