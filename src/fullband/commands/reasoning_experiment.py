@@ -40,7 +40,7 @@ from ..model.modeling import load_model
 from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..utils.io import atomic_write_json, atomic_write_text
-from ..utils.stats import mcnemar_exact, stratified_bootstrap_ci
+from ..utils.stats import discordant_counts, mcnemar_exact, stratified_bootstrap_ci
 from .experiment_common import (
     add_common_arguments,
     add_recipe_arguments,
@@ -206,10 +206,10 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
     runs = []
     for label, cfg in cfgs.items():
         model = None
+        key = {**key_base, "run_mtime": os.path.getmtime(os.path.join(cfg.out, "summary.json"))}
         for mode in (fbt_modes if label == FBT else ["standard"]):
             for style in styles:
                 name = f"{label}/{mode}/{style}"
-                key = {**key_base, "run_mtime": os.path.getmtime(os.path.join(cfg.out, "summary.json"))}
                 hit = cache.get(name)
                 if hit is None or hit.get("key") != key:
                     model = model or load_model(cfg.out).to(resolve_device(args.device)).eval()
@@ -241,15 +241,15 @@ def compare(a: list[dict], b: list[dict], seed: int, n_resamples: int) -> dict:
         acc.append(ca - cb)
         trace.append(ta - tb)
         both.append((ta - tb)[(ca > 0) & (cb > 0)])
-    diffs = np.concatenate(acc)
-    b_count, c_count = int((diffs > 0).sum()), int((diffs < 0).sum())
+    a_only, b_only = discordant_counts([r["correct"] for ra in a for r in ra["records"]],
+                                       [r["correct"] for rb in b for r in rb["records"]])
     both = [x for x in both if x.size]
-    return {"n": int(diffs.size), "a_only": b_count, "b_only": c_count, "mcnemar_p": mcnemar_exact(b_count, c_count),
+    return {"n": sum(x.size for x in acc), "a_only": a_only, "b_only": b_only, "mcnemar_p": mcnemar_exact(a_only, b_only),
             "accuracy": stratified_bootstrap_ci(acc, seed, n_resamples), "trace": stratified_bootstrap_ci(trace, seed, n_resamples),
             "trace_both_correct": stratified_bootstrap_ci(both, seed, n_resamples) if both else None}
 
 
-def table_rows(runs: list[dict], seeds: list[int]) -> list[dict]:
+def table_rows(runs: list[dict]) -> list[dict]:
     """One row per (model, mode, style): accuracy and trace length pooled over seeds, per seed, chosen verbosity."""
     rows = []
     for key in dict.fromkeys((r["model"], r["mode"], r["style"]) for r in runs):
@@ -422,7 +422,7 @@ def run_reasoning_experiment(args) -> dict:
                      "recipe": {k: getattr(fbt_cfg, k) for k in ("fusion", "feedback_start", "num_passes",
                                                                   "deep_passes", "deep_fraction", "lr_schedule",
                                                                   "fusion_lr_mult", "feedback_ramp")}},
-        "table": table_rows(runs, seeds),
+        "table": table_rows(runs),
         "comparisons": comparisons(runs, seeds, args),
         "runs": runs,
         "train_seconds": train_seconds, "decode_seconds": sum(r["seconds"] for r in runs),

@@ -217,9 +217,8 @@ def _cut(toks: list[int], tokenizer, eos: int | None) -> list[int]:
 
 def style_openings(tokenizer, problem: Problem) -> dict[str, list[int]]:
     """For each verbosity of :data:`VERBOSITIES`, the shortest opening of its answer (token ids after the prompt, as
-    the training text is tokenized) that no other verbosity's answer starts with: ``" ####"`` (or its first token) for
-    ``direct``,
-    ``" 3+8="`` vs ``" 3+8-5"`` for ``full`` vs ``partial``. A verbosity whose answer is the same as another's
+    the training text is tokenized) that no other verbosity's answer starts with: ``" ####"`` (or its first token)
+    for ``direct``, ``" 3+8="`` vs ``" 3+8-5"`` for ``full`` vs ``partial``. A verbosity whose answer is the same as another's
     (a problem too short to shorten) shares its opening. Appended to the prompt, an opening makes a model continue
     in that verbosity; a completion that starts with one chose it."""
     prompt = tokenizer(format_prompt(problem), add_special_tokens=False)["input_ids"]
