@@ -214,28 +214,47 @@ def test_depth_reuses_a_run_only_for_the_same_problems(tmp_path, capsys):
     assert "depth: training baseline-L" in capsys.readouterr().err
     assert cli.main(args) == 0
     assert "depth: training" not in capsys.readouterr().err  # reused
-    # other problems with the same row length and training options: trained again, not reused
-    assert cli.main(args + ["--tasks", "pointer"]) == 0
+    # other problems with the same row length and training options: not reused, and kept unless --overwrite
+    assert cli.main(args + ["--tasks", "pointer"]) == 2
+    assert "the training data" in capsys.readouterr().err
+    assert cli.main(args + ["--tasks", "pointer", "--overwrite"]) == 0
     assert "depth: training baseline-L" in capsys.readouterr().err
 
 
-def test_depth_exact_mode_matches_a_manual_recurrence(tmp_path):
-    """The experiment's exact-mode answers agree with the model's own recurrence read by hand, and zeroing the
-    state in exact mode equals running the recurrence with a zero state."""
+def test_depth_exact_mode_matches_a_reference_recurrence(tmp_path):
+    """The experiment's exact-mode answers, plain and under each intervention, equal those of a recurrence written
+    from the equations (tests/reference.py: the fusion from raw weights, the backbone re-run from scratch at every
+    position; not the model's recurrent_forward). A quick run leaves the residual fusion's output gain at ~0.02,
+    where zeroing the state changes no answer and such a check cannot fail; the gain is therefore scaled up 20x, so
+    that each intervention flips some answers. Bugs caught: answers read at the wrong position, a hook applied at
+    the wrong step, to the wrong rows or not at all."""
+    import reference as ref
+
     from fullband.commands.depth import answers_correct, intervention_hook
     from fullband.eval.scoring import load_any_model
 
     out = tmp_path / "d"
     assert cli.main(["experiment", "depth", "--quick", "--out", str(out), "--arms", "fbt-L", "--json"]) == 0
     model = load_any_model(str(out / "runs" / "fbt-L"))[0].eval()
+    with torch.no_grad():
+        model.feedback.out_norm.weight.mul_(20.0)
     tok = depth_tokenizer()
     problems = make_depth_problems(["pointer", "compose"], 40, seed=9, max_k=3, max_think=2)
     rows, pos = encode_rows(tok, problems, row_length(3, 2, ["pointer", "compose"]))
-    with torch.no_grad():
-        logits = model.recurrent_forward(rows).logits
-        zero = model.recurrent_forward(rows, state_hook=lambda t, prev: torch.zeros_like(prev)).logits
     idx = torch.arange(rows.shape[0])
-    manual = (logits[idx, pos - 1].argmax(-1) == rows[idx, pos]).long().tolist()
-    manual_zero = (zero[idx, pos - 1].argmax(-1) == rows[idx, pos]).long().tolist()
-    assert answers_correct(model, rows, pos, "exact", batch=7) == manual
-    assert answers_correct(model, rows, pos, "exact", state_hook=intervention_hook("zero")) == manual_zero
+
+    def reference_answers(hook=None):
+        logits = ref.recurrence_logits(model, rows, state_hook=hook)
+        return (logits[idx, pos - 1].argmax(-1) == rows[idx, pos]).long().tolist()
+
+    hooks = {  # each intervention written out here, for the state fused at position t
+        "zero": lambda t, prev: torch.zeros_like(prev),
+        "other-row": lambda t, prev: prev.roll(1, dims=0),
+        "zero-at-answer": lambda t, prev: prev * (pos - 1 != t).to(prev.dtype).view(-1, 1, 1),
+    }
+    plain = reference_answers()
+    assert answers_correct(model, rows, pos, "exact", batch=7) == plain
+    for name, hook in hooks.items():
+        expected = reference_answers(hook)
+        assert expected != plain, name  # the intervention matters here, so a dropped one is caught
+        assert answers_correct(model, rows, pos, "exact", state_hook=intervention_hook(name)) == expected, name

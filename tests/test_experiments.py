@@ -3,6 +3,7 @@ both experiments at a tiny size (``micro`` preset, a few steps)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -43,15 +44,46 @@ def test_loss_at_matched_compute():
     assert loss_at(curve, 5e9) == {"loss": None, "status": "above_range"}
 
 
-def test_training_flops_count_every_pass():
-    fp = {"matmul_params": 1000, "fusion_params": 10, "layers": 2, "hidden": 8}
-    plain = [{"split": "train", "num_passes": 1}] * 4
-    fbt = [{"split": "train", "num_passes": k} for k in (1, 1, 2, 4)] + [{"split": "val", "val_loss": 1.0}]
-    per_pass = 6 * 1000 + 6 * 2 * 16 * 8
-    a = training_flops(plain, tokens_per_step=32, seq_len=16, fp=fp)
-    b = training_flops(fbt, tokens_per_step=32, seq_len=16, fp=fp)
-    assert a["flops"] == 32 * 4 * per_pass and a["tokens"] == b["tokens"] == 128
-    assert b["passes"] == 8 and b["flops"] == 32 * (8 * per_pass + 4 * 6 * 10)
+@pytest.mark.parametrize("num_passes,grad_passes", [(1, None), (2, None), (3, 1), (3, 2)])
+def test_training_flops_match_a_counted_training_step(num_passes, grad_passes):
+    """The package's training-FLOP formula against torch's FlopCounterMode on one real training step (K-pass
+    forward and backward) of a tiny Llama with its fusion, counted independently of the formula.
+
+    The counter counts matmuls only: ``aten.mm`` (every linear layer, the LM head and the fusion's projections,
+    forward and both backward products) and, with eager attention, ``aten.bmm`` (the attention scores and their
+    weighted sum; CPU SDPA is not counted by the counter, so the test switches to eager). Tolerances, and why:
+    * attention: exactly twice the formula's ``6·L·T·d`` term, per pass: the counter charges the full ``T x T``
+      score matrix, the formula only its causal half (the upper half is masked);
+    * linear: the formula is 0 to 2% above the count, never below: its ``N`` counts the norms' gains as weights
+      (elementwise, not matmuls: 2L + 1 gains of d in the backbone, 1 in the fusion), and in a truncated step
+      (``grad_passes``) the first gradient pass's fused state carries no gradient, so W_U's input gradient is not
+      computed (the formula charges 6 FLOPs per fusion weight for every gradient pass).
+    Bugs caught: backward charged as one forward (4·N: -33%), passes without gradient charged as full passes
+    (+60% at K = 3, N = 1) or not at all, the fusion charged on every pass or on none (±5%), a pass not counted
+    (-50%), the attention term dropped, charged in full, or not per pass (exact check)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from conftest import random_ids, tiny_model
+
+    model = tiny_model("llama").train()
+    model.backbone.config._attn_implementation = "eager"
+    B, T = 2, 64
+    ids = random_ids(B, T)
+    with FlopCounterMode(display=False) as counter:
+        out = model(input_ids=ids, labels=ids, num_passes=num_passes, grad_passes=grad_passes)
+        out.loss.backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(counts) == {"aten.mm", "aten.bmm"}
+    record = {"split": "train", "num_passes": num_passes}
+    if grad_passes:  # what the engine logs for a truncated step
+        record.update(passes_run=out.passes_run, grad_passes_run=out.grad_passes_run)
+    fp = flop_parameters(model)
+    attention = training_flops([record], B * T, T, {**fp, "matmul_params": 0, "fusion_params": 0})["flops"]
+    linear = training_flops([record], B * T, T, {**fp, "layers": 0})["flops"]
+    assert counts["aten.bmm"] == 2 * attention
+    assert 0 <= linear / counts["aten.mm"] - 1 < 0.02
+    whole = training_flops([record], B * T, T, fp)
+    assert whole["flops"] == linear + attention and whole["passes"] == num_passes and whole["tokens"] == B * T
 
 
 def test_flop_parameters_skip_an_untied_input_embedding():
@@ -129,15 +161,26 @@ def test_reasoning_smoke(tmp_path, capsys):
     keys = {(r["model"], r["mode"], r["style"]) for r in res["table"]}
     assert len(keys) == 6 * 4 and ("FBT", "fused", "direct") in keys
     runs = {(r["seed"], r["model"], r["mode"], r["style"]): r["records"] for r in res["runs"]}
-    # a pooled comparison, recomputed from the per-problem records of both seeds
+    # a comparison over both seeds, from the per-problem records: both seeds decode the same problems, so the
+    # problem is the unit (bugs caught: counting a problem once per seed in the test, pairing the records of
+    # different problems, per-seed counts summed over seeds or taken from the wrong seed)
     c = next(c for c in res["comparisons"] if (c["a"], c["b"], c["style"]) == ("FBT/exact", "baseline/standard", "free"))
-    a = [x for s in (0, 1) for x in runs[(s, "FBT", "exact", "free")]]
-    b = [x for s in (0, 1) for x in runs[(s, "baseline", "standard", "free")]]
-    assert c["n"] == len(a) == 2 * res["config"]["num_problems"]
-    assert c["a_only"] == sum(x["correct"] and not y["correct"] for x, y in zip(a, b))
-    assert c["b_only"] == sum(y["correct"] and not x["correct"] for x, y in zip(a, b))
-    assert c["trace"]["estimate"] == pytest.approx(sum(x["trace_tokens"] - y["trace_tokens"] for x, y in zip(a, b)) / len(a))
-    assert 0 <= c["mcnemar_p"] <= 1 and c["trace"]["low"] <= c["trace"]["estimate"] <= c["trace"]["high"]
+    a = [runs[(s, "FBT", "exact", "free")] for s in (0, 1)]
+    b = [runs[(s, "baseline", "standard", "free")] for s in (0, 1)]
+    assert [x["id"] for x in a[0]] == [x["id"] for x in a[1]] == [x["id"] for x in b[0]]
+    assert c["problems"] == len(a[0]) == res["config"]["num_problems"] and c["seeds"] == 2
+    assert c["a_only_per_seed"] == [sum(x["correct"] and not y["correct"] for x, y in zip(a[s], b[s])) for s in (0, 1)]
+    assert c["b_only_per_seed"] == [sum(y["correct"] and not x["correct"] for x, y in zip(a[s], b[s])) for s in (0, 1)]
+    d = [sum(int(a[s][i]["correct"]) - int(b[s][i]["correct"]) for s in (0, 1)) for i in range(len(a[0]))]
+    nz = [v for v in d if v]  # the sign-flip p by brute force over every sign assignment of the non-zero d_i
+    flips = [abs(sum(sg * v for sg, v in zip(signs, nz))) >= abs(sum(d))
+             for signs in itertools.product((1, -1), repeat=len(nz))]
+    assert c["p"] == pytest.approx(sum(flips) / len(flips))
+    n2 = 2 * len(a[0])
+    assert c["trace"]["estimate"] == pytest.approx(sum(x["trace_tokens"] - y["trace_tokens"]
+                                                       for s in (0, 1) for x, y in zip(a[s], b[s])) / n2)
+    assert c["accuracy"]["estimate"] == pytest.approx((sum(x["correct"] for s in (0, 1) for x in a[s])
+                                                       - sum(y["correct"] for s in (0, 1) for y in b[s])) / n2)
     assert all(x["verbosity"] == "direct" for x in runs[(1, "FBT", "soft", "direct")])  # forced
     # baseline-flops is the baseline trained longer: the same steps until the baseline's LR decays
     base_log, flops_log = (read_jsonl(out / "seed1" / r / "metrics.jsonl") for r in ("baseline", "baseline-flops"))
@@ -152,7 +195,7 @@ def test_reasoning_smoke(tmp_path, capsys):
     test_q = {"Q: " + json.loads(line)["question"] for line in (out / "data" / "test.jsonl").read_text().splitlines()}
     assert not ({t.split("\n")[0] for t in lines} & test_q)  # no held-out question was trained on
     assert res["config"]["task_options"] == {"num_ops": [3, 4], "ops": "+-"}
-    assert "McNemar" in (out / "report.md").read_text()
+    assert "McNemar" in (out / "report.md").read_text() and "sign-flip" in (out / "report.md").read_text()
     # a second invocation reuses the finished runs and their decodes
     stamp = (out / "seed1" / "fbt" / "metrics.jsonl").stat().st_mtime_ns
     assert cli.main(argv + ["--json"]) == 0

@@ -16,7 +16,6 @@ from fullband.utils.stats import (
     compare_paired,
     discordant_counts,
     mcnemar_exact,
-    stratified_bootstrap_ci,
 )
 
 # ----------------------------------------------------------------------------- problems
@@ -209,18 +208,6 @@ def test_bootstrap_ci():
         bootstrap_ci([])
 
 
-def test_stratified_bootstrap_ci():
-    groups = [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]  # seed means 0.5 and 1/6
-    ci = stratified_bootstrap_ci(groups, seed=3, n_resamples=4000)
-    assert ci["estimate"] == pytest.approx((0.5 + 1 / 6) / 2)
-    assert 0.0 <= ci["low"] < ci["estimate"] < ci["high"] < 0.75  # resampled means lie in [0, 1]; the 95% span is narrower
-    assert ci == stratified_bootstrap_ci(groups, seed=3, n_resamples=4000)  # seeded
-    const = stratified_bootstrap_ci([[2.0, 2.0], [4.0]], n_resamples=100)
-    assert const == {"estimate": 3.0, "low": 3.0, "high": 3.0}  # nothing to resample: a zero-width interval
-    with pytest.raises(ValueError):
-        stratified_bootstrap_ci([[1.0], []])
-
-
 def test_compare_paired():
     a = [True, True, False, True, False]
     b = [True, False, False, False, True]
@@ -232,6 +219,30 @@ def test_compare_paired():
     assert out["length_difference_both_correct"]["estimate"] == pytest.approx(1.0)  # only problem 0
     with pytest.raises(ValueError):
         discordant_counts([True], [True, False])
+
+
+def test_reasoning_experiment_compares_per_problem_over_seeds():
+    """The experiment's comparison over seeds that decode the same problems (the hand-worked example of
+    ``tests/test_stats.py``): A right on problems 0, 1, 2 in seed 0 and 0, 1 in seed 1, B on none: per-problem
+    differences (2, 2, 1), sign-flip p = 2/8 = 0.25 (pooling both seeds' 5 vs 0 pairs would say 0.0625), McNemar
+    per seed 0.25 and 0.5. Bugs caught: the seeds' records concatenated into one McNemar test, per-seed counts
+    mixed up, records of different problems paired."""
+    from fullband.commands.reasoning_experiment import compare
+
+    def run(correct, trace):
+        return {"records": [{"id": f"p{i}", "correct": bool(c), "trace_tokens": t}
+                            for i, (c, t) in enumerate(zip(correct, trace))]}
+
+    a = [run([1, 1, 1], [10, 12, 8]), run([1, 1, 0], [10, 12, 8])]
+    b = [run([0, 0, 0], [11, 11, 11]), run([0, 0, 0], [11, 11, 11])]
+    c = compare(a, b, seed=0, n_resamples=500)
+    assert (c["problems"], c["seeds"], c["p"]) == (3, 2, 0.25)
+    assert (c["a_only_per_seed"], c["b_only_per_seed"], c["mcnemar_p_per_seed"]) == ([3, 2], [0, 0], [0.25, 0.5])
+    assert c["accuracy"]["estimate"] == pytest.approx((1 + 2 / 3) / 2)
+    assert c["trace"]["estimate"] == pytest.approx(-1.0) and c["trace_both_correct"] is None  # B is never right
+    shuffled = [a[0], {"records": list(reversed(a[1]["records"]))}]
+    with pytest.raises(ValueError):  # the seeds must list the same problems in the same order
+        compare(shuffled, b, seed=0, n_resamples=10)
 
 
 # ----------------------------------------------------------------------------- evaluation

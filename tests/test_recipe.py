@@ -1,6 +1,7 @@
 """The feedback recipe: the token-preserving entry, switch-on levers (lambda ramp, fusion LR warm-up, per-group
 clipping, fusion-only phase), the switch-on re-scaling, options that survive --resume, plain baselines, decoding
-against a reference written from the equations with raw weights, and the recipe experiment's smoke run."""
+against a reference written from the equations with raw weights, and the recipe experiment's smoke run (figures
+recomputed by hand; a changed option refused, then retrained with --overwrite and the table following it)."""
 
 from __future__ import annotations
 
@@ -209,12 +210,43 @@ def test_clip_gradients_clips_each_group_to_its_own_norm():
     assert clip_gradients([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0  # no gradients at all
 
 
-def test_per_group_clipping_logs_the_fusion_norm(data, tmp_path):
+def test_per_group_clipping_logs_the_fusion_norm_before_clipping(data, tmp_path, monkeypatch):
+    """The logged fusion_grad_norm of a K=2 step is the norm of the fusion's gradient, recomputed here from a copy
+    of the model at that step after a plain forward + backward on the step's batch (no jitter, no prefix mixing:
+    the batch and loss are deterministic); a clip limit far below it shows it is logged before clipping."""
+    import copy
+
+    from fullband.training import engine
+
+    want = {}
+    real_step = engine.Trainer.train_step
+
+    def spy(self, step):
+        if step == 4:  # a feedback step after the switch-on
+            model = copy.deepcopy(engine.D.unwrap(self.model))
+            model.zero_grad(set_to_none=True)
+            batch = self.recipe.batch(step, 2, torch.Generator(), self.env)
+            for mb in batch.micro:
+                (model(**mb, num_passes=2, feedback_weight=1.0).loss * batch.loss_weight).backward()
+            grads = [p.grad for n, p in model.named_parameters() if n.startswith("feedback.") and p.grad is not None]
+            want["fusion"] = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
+            backbone = [p.grad for n, p in model.named_parameters() if not n.startswith("feedback.") and p.grad is not None]
+            want["backbone"] = float(torch.sqrt(sum(g.double().pow(2).sum() for g in backbone)))
+        return real_step(self, step)
+
+    monkeypatch.setattr(engine.Trainer, "train_step", spy)
     out = tmp_path / "run"
-    assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--clip-per-group")) == 0
+    assert cli.main(train_args(data, out, "--feedback-start", "0.5", "--clip-per-group", "--grad-clip", "1e-4",
+                               "--jitter", "0", "--prefix-mix", "0", "--feedback-ramp", "0", "--deep-fraction", "0",
+                               "--num-passes", "2")) == 0
     recs = train_records(out)
     assert all("fusion_grad_norm" not in r for r in recs[:3])
-    assert all(r["fusion_grad_norm"] > 0 for r in recs[3:])
+    assert [r["num_passes"] for r in recs] == [1, 1, 1, 2, 2, 2]
+    got = recs[4]
+    assert want["fusion"] > 1e-3  # far above the clip limit: a norm taken after clipping would read 1e-4
+    assert got["fusion_grad_norm"] == pytest.approx(want["fusion"], rel=1e-4)
+    # the step's grad_norm is the two groups' norms combined
+    assert got["grad_norm"] == pytest.approx((want["fusion"] ** 2 + want["backbone"] ** 2) ** 0.5, rel=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------- plain baselines
@@ -249,12 +281,40 @@ def test_data_offset_continues_the_data_order(data, tmp_path):
 # ----------------------------------------------------------------------------------------------- the experiment
 
 
+def _hand_flops(out, records, batch_size: int, seq_len: int) -> float:
+    """Training FLOPs of a run written out from the micro preset's shapes (d 64, 2 layers, MLP 128, untied head;
+    the vocabulary read off the saved LM head): per token and pass 6 N + 6 L T d, N = every backbone weight but
+    the input embedding table (q, k, v, o, the SwiGLU's three matrices, the two norms of each layer, the final
+    norm, the head); plus 6 x (2 d^2 + d) for the fusion on every fused pass."""
+    d, layers, ff = 64, 2, 128
+    weights = load_file(str(out / "model.safetensors"))
+    vocab = next(v.shape[0] for k, v in weights.items() if k.endswith("lm_head.weight"))
+    n = layers * (4 * d * d + 3 * d * ff + 2 * d) + d + d * vocab
+    fusion = 2 * d * d + d
+    tokens = batch_size * seq_len
+    return sum(tokens * (r["num_passes"] * (6 * n + 6 * layers * seq_len * d) + (r["num_passes"] - 1) * 6 * fusion)
+               for r in records)
+
+
+def _per_seed_ci_bounds(diffs_per_seed):
+    """The pooled percentile CI with two rows per seed, by hand: each seed's resampled mean is one of its two
+    rows or their mean, every corner with probability 1/16 > 2.5% of the resamples, so the 2.5% and 97.5%
+    quantiles are exactly the mean over seeds of each seed's smallest and largest difference."""
+    return (sum(min(d) for d in diffs_per_seed) / len(diffs_per_seed),
+            sum(max(d) for d in diffs_per_seed) / len(diffs_per_seed))
+
+
 def test_recipe_experiment_quick(tmp_path, capsys):
+    import math
+
+    from fullband.eval.scoring import load_any_model, row_losses
+    from fullband.training.config import TrainConfig
+    from fullband.training.pretrain import build_tokenizer_and_corpus, spread_rows
+
     out = tmp_path / "recipe"
-    rc = cli.main(["experiment", "recipe", "--quick", "--out", str(out), "--no-progress", "--json",
-                   "--arms", "shipped,residual-warm", "--trunk-steps", "3", "--branch-steps", "2",
-                   "--eval-rows", "2"])
-    assert rc == 0
+    argv = ["experiment", "recipe", "--quick", "--out", str(out), "--no-progress", "--json",
+            "--arms", "shipped,residual-warm", "--trunk-steps", "3", "--branch-steps", "2", "--eval-rows", "2"]
+    assert cli.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res["arms"]) == {"baseline", "baseline-decayed", "shipped", "residual-warm", "baseline-flops"}
     rows = {(r["arm"], r["mode"]): r for r in res["table"]}
@@ -266,12 +326,71 @@ def test_recipe_experiment_quick(tmp_path, capsys):
     r = rows[("shipped", "exact")]
     own = [s["runs"]["shipped"]["losses"]["exact"] for s in res["per_seed"]]
     ref = [s["runs"]["baseline-decayed"]["losses"]["standard"] for s in res["per_seed"]]
-    want = sum(sum(a - b for a, b in zip(o, f)) / len(o) for o, f in zip(own, ref)) / len(own)
-    assert r["delta_tokens"]["estimate"] == pytest.approx(want)
+    diffs = [[a - b for a, b in zip(o, f)] for o, f in zip(own, ref)]
+    assert r["delta_tokens"]["estimate"] == pytest.approx(sum(sum(d) / len(d) for d in diffs) / len(diffs))
+    assert (r["delta_tokens"]["low"], r["delta_tokens"]["high"]) == pytest.approx(_per_seed_ci_bounds(diffs))
     assert "delta_flops" not in r  # a different LR schedule than the FLOP-matched baselines: not compared
-    assert rows[("residual-warm", "soft")]["delta_flops"]["low"] <= rows[("residual-warm", "soft")]["delta_flops"]["high"]
-    # the FLOP-matched baseline has at least the FLOPs of the costliest arm
-    for s in res["per_seed"]:
-        assert s["runs"]["baseline-flops"]["flops"] >= max(s["runs"][a]["flops"] for a in ("shipped", "residual-warm"))
+
+    def flops_delta_by_hand(res, arm, mode):
+        """The equal-FLOPs difference, by hand: the baseline's per-row loss at the arm's FLOPs, linear in log FLOPs
+        between the baseline and the FLOP-matched baseline."""
+        out = []
+        for s in res["per_seed"]:
+            base, big, run = (s["runs"][a] for a in ("baseline", "baseline-flops", arm))
+            w = (math.log(run["flops"]) - math.log(base["flops"])) / (math.log(big["flops"]) - math.log(base["flops"]))
+            assert 0 <= w <= 1
+            out.append([m - (lo + w * (hi - lo)) for m, lo, hi in
+                        zip(run["losses"][mode], base["losses"]["standard"], big["losses"]["standard"])])
+        return out
+
+    d_flops = flops_delta_by_hand(res, "residual-warm", "soft")
+    got = rows[("residual-warm", "soft")]["delta_flops"]
+    assert got["estimate"] == pytest.approx(sum(sum(d) / len(d) for d in d_flops) / len(d_flops))
+    assert (got["low"], got["high"]) == pytest.approx(_per_seed_ci_bounds(d_flops))
+    # training FLOPs, from the preset's shapes; the steps each run took
+    bs, seq = 4, 32
+    steps = {"baseline": 2, "baseline-decayed": 2, "shipped": 2, "residual-warm": 2, "baseline-flops": 5}  # ceil(2 x 2.3)
+    for seed, s in zip((0, 1), res["per_seed"]):
+        for arm, n in steps.items():
+            recs = train_records(out / f"seed{seed}" / arm)
+            assert len(recs) == n and s["runs"][arm]["steps"] == n
+            assert s["runs"][arm]["flops"] == pytest.approx(_hand_flops(out / f"seed{seed}" / arm, recs, bs, seq))
+        assert {r["num_passes"] for r in train_records(out / f"seed{seed}" / "baseline")} == {1}
+        assert min(r["num_passes"] for r in train_records(out / f"seed{seed}" / "shipped")) >= 2
     assert (out / "report.md").is_file() and (out / "recipe.png").stat().st_size > 1000
     assert cli.main(["experiment", "recipe", "--quick", "--out", str(out), "--arms", "nope"]) == 2
+
+    # ---- a changed option: the FLOP-matched baseline becomes 6 steps (seed 0 only, to keep it short). Without
+    # --overwrite: refused, one line naming the option, nothing retrained or rewritten
+    big = out / "seed0" / "baseline-flops"
+    stamps = {p: p.stat().st_mtime_ns for p in (big / "model.safetensors", big / "metrics.jsonl",
+                                                  out / "results.json", out / "seed0" / "shipped" / "model.safetensors")}
+    capsys.readouterr()
+    changed = argv + ["--flops-multiplier", "3", "--seeds", "0"]
+    assert cli.main(changed) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "baseline-flops" in err and "--steps 5 -> 6" in err and "--overwrite" in err
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    # with --overwrite: that run is retrained (the others reused), and the table follows the new model
+    assert cli.main(changed + ["--overwrite"]) == 0
+    capsys.readouterr()
+    new = json.loads((out / "results.json").read_text())
+    assert (out / "seed0" / "shipped" / "model.safetensors").stat().st_mtime_ns == stamps[out / "seed0" / "shipped" / "model.safetensors"]
+    assert big.joinpath("model.safetensors").stat().st_mtime_ns != stamps[big / "model.safetensors"]
+    assert new["seeds"] == [0]
+    for seed, s in zip((0,), new["per_seed"]):
+        recs = train_records(out / f"seed{seed}" / "baseline-flops")
+        assert len(recs) == 6 and s["runs"]["baseline-flops"]["steps"] == 6
+        assert s["runs"]["baseline-flops"]["flops"] == pytest.approx(_hand_flops(out / f"seed{seed}" / "baseline-flops", recs, bs, seq))
+    # the per-row losses are the retrained model's, scored here afresh (not the cached ones of the old model)
+    cfg = TrainConfig(**{k: v for k, v in json.loads((out / "seed0" / "trunk" / "run_config.json").read_text()).items()
+                         if k in TrainConfig.field_names()})
+    held_out = spread_rows(build_tokenizer_and_corpus(cfg).val_rows, 2)
+    fresh = row_losses(load_any_model(str(big), device="cpu")[0], held_out, "standard", prompt_length=8).tolist()
+    assert new["per_seed"][0]["runs"]["baseline-flops"]["losses"]["standard"] == pytest.approx(fresh, rel=1e-6)
+    assert fresh != pytest.approx(res["per_seed"][0]["runs"]["baseline-flops"]["losses"]["standard"], rel=1e-6)
+    got = {(r["arm"], r["mode"]): r for r in new["table"]}[("residual-warm", "soft")]["delta_flops"]
+    d_new = flops_delta_by_hand(new, "residual-warm", "soft")
+    assert got["estimate"] == pytest.approx(sum(sum(d) / len(d) for d in d_new) / len(d_new))
+    old = flops_delta_by_hand(res, "residual-warm", "soft")[0]
+    assert got["estimate"] != pytest.approx(sum(old) / len(old))  # seed 0's figure before the change

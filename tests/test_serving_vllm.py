@@ -13,21 +13,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
-import urllib.error
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from serving_helpers.openai_client import Server, complete, free_port
+from serving_helpers.references import forced_logprobs, reference_bf16
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 import fullband
+from fullband.serving.benchmark import summarize_pairs  # its statistics: tests/test_bench_stats.py
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed here (.ci/run tests it in a venv of its own)")
@@ -134,20 +136,26 @@ def _env(tmp: Path, **extra) -> dict:
 
 
 def run_vllm(tmp: Path, runs: list[dict], name: str) -> tuple[list[dict], str]:
-    """Start one engine per run (model, prompts, max_tokens, engine kwargs) in one subprocess, one after the
-    other; returns each run's result (``outputs`` or ``error``, plus the ``stats`` the plugin wrote) and the log."""
+    """Start one engine per run (model, prompts, max_tokens, engine kwargs, optionally ``abort_after``) in one
+    subprocess, one after the other; returns each run's result (``outputs`` or ``error``, plus the ``stats`` the
+    plugin wrote) and the log."""
     base = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True, "seed": 0}
     spec = {"runs": [{"model": str(r["model"]), "prompts": r.get("prompts", [[BOS, 5]]),
                       "max_tokens": r.get("max_tokens", [2]), "engine": {**base, **r.get("engine", {})}}
                      for r in runs]}
-    spec_path, out_path, stats = tmp / f"{name}.spec.json", tmp / f"{name}.out.json", tmp / f"{name}.stats.json"
+    for s, r in zip(spec["runs"], runs):
+        if r.get("abort_after"):
+            s["abort_after"] = r["abort_after"]
+    spec_path, out_path, stats = tmp / f"{name}.spec.json", tmp / f"{name}.out.json", tmp / f"{name}.stats"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(HELPER), str(spec_path), str(out_path)], capture_output=True,
-                          text=True, timeout=TIMEOUT * len(runs), env=_env(tmp, FULLBAND_VLLM_STATS=stats))
+    proc = subprocess.run([sys.executable, str(HELPER), str(spec_path), str(out_path), str(stats)],
+                          capture_output=True, text=True, timeout=TIMEOUT * len(runs), env=_env(tmp))
     assert proc.returncode == 0 and out_path.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(out_path.read_text())
-    if len(results) == 1 and stats.exists():
-        results[0]["stats"] = json.loads(stats.read_text())
+    for i, result in enumerate(results):
+        path = Path(f"{stats}.{i}.json")
+        if path.exists():
+            result["stats"] = json.loads(path.read_text())
     return results, proc.stdout + proc.stderr
 
 
@@ -155,6 +163,10 @@ def run_vllm(tmp: Path, runs: list[dict], name: str) -> tuple[list[dict], str]:
 
 LENGTHS = [1, 40, 15, 9, 33, 5, 21, 17]
 NEW = [24, 10, 30, 16, 8, 28, 12, 20]
+HANG_UP_CHECKED = 20  # tokens of a hung-up stream compared with generate()
+ABORT_POOL_BLOCKS = 6  # a KV pool that holds one request of max_model_len 64 (see the abort test)
+BF16_LENGTHS = [1, 40, 15, 9, 33, 5, 21, 17, 26, 12, 3, 30]
+BF16_MIN_IDENTICAL, BF16_MAX_GAP = 4, 0.016  # bf16 tolerance, see test_bf16_serving_close_to_generate_bf16
 
 
 @needs_vllm
@@ -210,21 +222,77 @@ def test_fused_mode_equals_generate_fused(ckpt):
     assert got["stats"]["mixed_steps"] > 0, got["stats"]
 
 
+@needs_vllm
+def test_aborted_request_its_slot_reused_without_leak(ckpt):
+    """Request A (40-token prompt) is aborted after 6 engine steps, mid-decode; then 6 more requests run, one at a
+    time (max_num_seqs 1), in a KV pool that holds one request, so every later request starts in pages an earlier
+    one wrote -- the first one after A in A's pages (measured: the state page alternates between the same two pages,
+    A's other page becoming the next request's state page and back). A's tokens are a prefix of generate(soft)'s
+    and every later request equals generate(soft) exactly: nothing of A's (or any earlier) state reaches them."""
+    lengths, new = [40, 20, 1, 9, 33, 5, 14], [24, 16, 20, 12, 10, 18, 8]
+    prompts = _prompts(lengths, seed=71)
+    want = reference(ckpt["llama"], prompts, new)
+    (got,), _ = run_vllm(ckpt["root"], [dict(model=ckpt["llama"], prompts=prompts, max_tokens=new, abort_after=6,
+                                             engine=dict(max_num_seqs=1, max_model_len=64,
+                                                         num_gpu_blocks_override=ABORT_POOL_BLOCKS))], "abort")
+    partial, rest = got["outputs"][0], got["outputs"][1:]
+    assert 3 <= len(partial) < new[0] and partial == want[0][:len(partial)], (partial, want[0])
+    assert rest == want[1:]
+    slots = got["stats"]["request_slots"]  # each request's state page, in start order
+    assert len(slots) == len(prompts) and len(set(slots)) <= 2, slots  # pages written before, over and over
+
+
+@needs_vllm
+def test_bf16_serving_close_to_generate_bf16(ckpt):
+    """bf16 (the gate table built at load, in bf16, and the fusion in bf16, as generate() runs it) against
+    ``generate(soft)`` with the model loaded in bf16. Not bit-equal: vLLM's bf16 kernels (fused residual + RMSNorm,
+    attention) round differently from HF's, and a greedy decode follows the first near-tie either way. Tolerance
+    (stated in the README): at least BF16_MIN_IDENTICAL of the 12 prompts give identical tokens (24 each), and every
+    first divergence is at a near-tie of the bf16 reference, a top-2 logit gap < BF16_MAX_GAP (8 bf16 steps at this
+    model's logit size). The tiny model's logits are close, so this can fail: a quarter of all reference steps have a
+    gap < 0.01, so a decoder that diverged for another reason (a wrong or stale state) would show a larger gap at
+    some of its divergences. The plain backbone served in bf16 against HF's bf16 ``generate()`` must meet the same
+    bar (measured: fullband 6/12 identical, largest gap at a divergence 0.0098; plain 9/12, 0.002)."""
+    prompts, new = _prompts(BF16_LENGTHS, seed=61), [24] * len(BF16_LENGTHS)
+    plain = ckpt["root"] / "plain_llama"
+    if not plain.exists():
+        _backbone("llama", 0).save_pretrained(plain)  # the backbone of ckpt["llama"]
+    engine = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=128)
+    (fb, pl), _ = run_vllm(ckpt["root"], [dict(model=ckpt["llama"], prompts=prompts, max_tokens=new, engine=engine),
+                                          dict(model=plain, prompts=prompts, max_tokens=new, engine=engine)], "bf16")
+    assert fb["stats"]["gate_table_at_load"][1] == "torch.bfloat16", fb["stats"]
+    for got, path, mode in ((fb, ckpt["llama"], "soft"), (pl, plain, None)):
+        want, gaps = reference_bf16(path, prompts, new, mode, PAD)
+        diverged = [(i, d, gaps[i][d]) for i, (g, w) in enumerate(zip(got["outputs"], want))
+                    for d in [next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), None)] if d is not None]
+        assert len(prompts) - len(diverged) >= BF16_MIN_IDENTICAL, (mode, diverged)
+        assert all(gap < BF16_MAX_GAP for _, _, gap in diverged), (mode, diverged)
+
+
 # ----------------------------------------------------------------------------------------------- refusals
 
 
 @needs_vllm
 def test_refusals_at_startup(ckpt, tmp_path):
     """One line each, before serving anything: a backbone the plugin cannot serve, mode fused with chunked
-    prefill, and a KV cache small enough that vLLM could preempt (and wrongly recompute) a request."""
-    (gpt2, fused, small_kv), log = run_vllm(tmp_path, [
-        dict(model=ckpt["gpt2"]),
-        dict(model=ckpt["llama"], engine=dict(max_model_len=128, hf_overrides={"serving_feedback_mode": "fused"})),
-        dict(model=ckpt["llama"], engine=dict(max_num_seqs=8, max_model_len=128, num_gpu_blocks_override=6)),
-    ], "refusals")
+    prefill, a KV cache small enough that vLLM could preempt (and wrongly recompute) a request, a KV-transfer
+    connector (disaggregated prefill: a request would start decoding without its own state), KV offloading, prompt
+    embeddings (no token ids to fuse) and a dummy weight load (no gate table)."""
+    llama = dict(model=ckpt["llama"], engine=dict(max_model_len=128))
+    runs = [dict(model=ckpt["gpt2"]),
+            dict(model=ckpt["llama"], engine=dict(max_model_len=128, hf_overrides={"serving_feedback_mode": "fused"})),
+            dict(model=ckpt["llama"], engine=dict(max_num_seqs=8, max_model_len=128, num_gpu_blocks_override=6))]
+    runs += [{**llama, "engine": {**llama["engine"], **extra}} for extra in (
+        {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+        {"kv_offloading_size": 1.0}, {"enable_prompt_embeds": True}, {"load_format": "dummy"})]
+    (gpt2, fused, small_kv, kv_transfer, offload, embeds, dummy), log = run_vllm(tmp_path, runs, "refusals")
     assert "GPT2LMHeadModel" in gpt2["error"] and "LlamaForCausalLM" in gpt2["error"], gpt2
     assert "no-enable-chunked-prefill" in fused["error"], fused
     assert "error" in small_kv and "preempt" in log and "max_num_seqs=8" in log, log[-3000:]
+    for result, words in ((kv_transfer, "--kv-transfer-config"), (offload, "--kv-offloading-size"),
+                          (embeds, "--enable-prompt-embeds"), (dummy, "load format 'dummy'")):
+        assert "fullband: " in result.get("error", ""), result
+        assert words in result["error"].split("fullband: ", 1)[1].splitlines()[0], result  # said in one line
 
 
 def _serve(capsys, *args) -> tuple[int, str, str]:
@@ -246,6 +314,12 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(ckpt, tmp_path, capsys):
         code, _, err = _serve(capsys, "--model", model)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and words in lines[0], err
+    for flag in ("--enable-prompt-embeds", '--kv-transfer-config={"kv_connector":"X","kv_role":"kv_both"}',
+                 "--kv-offloading-size", "--speculative-config"):  # refused before vLLM starts, not in a traceback
+        code, out, err = _serve(capsys, "--model", ckpt["llama"], "--print-command", "--", "--enforce-eager", flag,
+                                "1")
+        lines = err.strip().splitlines()
+        assert code == 2 and not out and len(lines) == 1 and flag.split("=")[0] in lines[0], (flag, err)
 
 
 def test_serve_command_line(ckpt, capsys):
@@ -262,77 +336,125 @@ def test_serve_command_line(ckpt, capsys):
 # ----------------------------------------------------------------------------------------------- server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def server(ckpt):
+    """One ``fullband serve`` (llama + glu, fp32, 4 sequences decoded together, 256-token context) shared by the
+    server tests; it logs every request (so an abort is logged)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "fullband.cli", "serve", "--model", str(ckpt["llama"]), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--",
+           "--enforce-eager", "--enable-log-requests"]
+    srv = Server(cmd, port, ckpt["root"] / "server.log", _env(ckpt["root"]), TIMEOUT)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+def _aborted(log: str) -> set[str]:
+    """Requests the server aborted because the client went away (vLLM logs ``Request ID aborted.``)."""
+    return set(re.findall(r"Request (\S+) aborted\.", log))
+
+
+def _completion(model, prompt, n_tokens, **extra) -> dict:
+    return {"model": str(model), "prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
 
 
 @needs_vllm
-def test_openai_server_round_trip(ckpt, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fullband.cli", "serve", "--model", str(ckpt["llama"]),
-                             "--port", str(port), "--dtype", "float32", "--max-model-len", "128",
-                             "--max-num-seqs", "4", "--", "--enforce-eager"],
-                            stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy in time"
-            time.sleep(1)
-        tok = _tokenizer()
-        model = str(ckpt["llama"])
-        text = "the quick brown fox"
-        comp = _post(base + "/v1/completions", {"model": model, "prompt": text, "max_tokens": 12, "temperature": 0,
-                                                "ignore_eos": True, "return_token_ids": True})
-        choice = comp["choices"][0]
-        prompt_ids = choice["prompt_token_ids"] or comp.get("prompt_token_ids")
-        assert prompt_ids == tok(text).input_ids
-        assert choice["token_ids"] == reference(ckpt["llama"], [prompt_ids], [12])[0]
-        assert choice["text"] == tok.decode(choice["token_ids"])
+def test_openai_server_round_trip(ckpt, server):
+    tok = _tokenizer()
+    model = str(ckpt["llama"])
+    text = "the quick brown fox"
+    comp = server.post("/v1/completions", _completion(model, text, 12))
+    choice = comp["choices"][0]
+    prompt_ids = choice["prompt_token_ids"] or comp.get("prompt_token_ids")
+    assert prompt_ids == tok(text).input_ids
+    assert choice["token_ids"] == reference(ckpt["llama"], [prompt_ids], [12])[0]
+    assert choice["text"] == tok.decode(choice["token_ids"])
 
-        messages = [{"role": "user", "content": "hello world"}]
-        chat = _post(base + "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 10,
-                                                     "temperature": 0, "ignore_eos": True, "return_token_ids": True})
-        chat_ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"])
-        assert chat["prompt_token_ids"] == chat_ids
-        assert chat["choices"][0]["token_ids"] == reference(ckpt["llama"], [chat_ids], [10])[0]
-    finally:
-        _stop(proc)
-        log.close()
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = server.post("/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 10,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    chat_ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+    assert chat["prompt_token_ids"] == chat_ids
+    assert chat["choices"][0]["token_ids"] == reference(ckpt["llama"], [chat_ids], [10])[0]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (its own, from start_new_session: the group id is its PID), then
-    SIGKILL after a bounded wait."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+@needs_vllm
+def test_n_greater_than_one_each_sample_has_its_own_state(ckpt, server):
+    """n = 3 samples of one prompt (temperature 1, seeded) run as 3 requests with 3 state slots: the log-probability
+    vLLM reports for every sampled token (raw, before temperature) must be the one ``generate(soft)`` gives that
+    token after that sample's own history -- a sample fused with a sibling's (or a stale) state gets other
+    log-probabilities. (vLLM refuses n > 1 with greedy sampling.)"""
+    prompt = _prompts([11], seed=31)[0]
+    comp = server.post("/v1/completions", _completion(ckpt["llama"], prompt, 10, n=3, temperature=1.0, seed=7,
+                                                      logprobs=0))
+    samples = [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in comp["choices"]]
+    assert len(samples) == 3 and len({tuple(t) for t, _ in samples}) == 3, samples  # 3 different samples
+    greedy = reference(ckpt["llama"], [prompt], [10])[0]
+    assert all(t != greedy for t, _ in samples)
+    for tokens, served in samples:
+        assert served == pytest.approx(forced_logprobs(ckpt["llama"], prompt, tokens, PAD), abs=2e-4), tokens
+
+
+@needs_vllm
+def test_client_disconnect_mid_stream(ckpt, server):
+    """A streaming client hangs up after 3 chunks of a 240-token answer (long, so that the engine cannot finish it
+    before the API server notices the hang-up on a loaded machine): the server aborts that request (its log says
+    so), the tokens it did stream are generate(soft)'s, and the next request on the same server is exact."""
+    prompt, nxt = _prompts([14, 6], seed=41)
+    before = _aborted(server.log())
+    got = complete(server.port, _completion(ckpt["llama"], prompt, 240, stream=True), hang_up_after=3)
+    assert got["status"] == 200 and not got["done"] and 3 <= len(got["token_ids"]) < 240, got
+    assert got["token_ids"] == reference(ckpt["llama"], [prompt], [len(got["token_ids"])])[0]
+    after = complete(server.port, _completion(ckpt["llama"], nxt, 16))
+    assert after["token_ids"] == reference(ckpt["llama"], [nxt], [16])[0]
+    deadline = time.monotonic() + 60
+    while len(_aborted(server.log()) - before) < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(_aborted(server.log()) - before) == 1, server.log()[-3000:]
+
+
+@needs_vllm
+def test_load_concurrent_clients_stream_hang_up(ckpt, server):
+    """20 clients at once against 4 decode slots: prompts of 1-60 tokens, 8 answers whole, 6 streamed, 6 streams
+    hung up after 2 chunks (of 200 tokens). Every completed answer equals generate(soft) for its prompt, every hung-up
+    stream's tokens are a prefix of it, hung-up requests are aborted (at least one; see below), and the server
+    stays up and exact afterwards."""
+    lengths = [1, 60, 7, 33, 12, 3, 48, 20, 9, 27, 2, 55, 16, 5, 40, 11, 24, 8, 36, 14]
+    prompts = _prompts(lengths, seed=51)
+    kinds = ["whole", "stream", "hang_up", "whole", "hang_up", "stream", "whole", "stream", "hang_up", "whole"] * 2
+    new = [200 if k == "hang_up" else 6 + (3 * i) % 17 for i, k in enumerate(kinds)]
+    want = reference(ckpt["llama"], prompts, [n if k != "hang_up" else HANG_UP_CHECKED for n, k in zip(new, kinds)])
+    before = _aborted(server.log())
+    barrier = threading.Barrier(len(prompts))
+
+    def client(i):
+        body = _completion(ckpt["llama"], prompts[i], new[i], stream=kinds[i] != "whole")
+        barrier.wait(timeout=60)
+        return complete(server.port, body, hang_up_after=2 if kinds[i] == "hang_up" else None)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(client, range(len(prompts))))
+    for i, (r, k, w) in enumerate(zip(results, kinds, want)):
+        assert r["status"] == 200, (i, r)
+        if k == "hang_up":  # the server may have merged tokens into a chunk: check the first HANG_UP_CHECKED
+            assert not r["done"] and 2 <= len(r["token_ids"]) < 200, (i, r)
+            assert r["token_ids"][:HANG_UP_CHECKED] == w[:len(r["token_ids"])], (i, r, w)
+        else:
+            assert r["token_ids"] == w, (i, k, r, w)
+            assert k == "whole" or (r["done"] and r["finish_reason"] == "length"), (i, r)
+    # the API server notices a hang-up when its event loop gets to it, so a hung-up request can also run to its end
+    # first (seen once in 3 runs: 5 of 6 aborted); at least one abort must have reached the engine mid-load
+    deadline = time.monotonic() + 30
+    while len(_aborted(server.log()) - before) < kinds.count("hang_up") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert 1 <= len(_aborted(server.log()) - before) <= kinds.count("hang_up"), server.log()[-3000:]
+    assert server.proc.poll() is None and server.healthy()
+    again = complete(server.port, _completion(ckpt["llama"], prompts[1], 12))
+    assert again["token_ids"] == reference(ckpt["llama"], [prompts[1]], [12])[0]
 
 
 # ----------------------------------------------------------------------------------------------- benchmark
@@ -342,11 +464,17 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_bench_serve_runs_once_at_tiny_size(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fullband.cli", "bench", "serve", "--json", "--size", "d64l2",
                            "--vocab-size", "512", "--batch-sizes", "1,4", "--prompt-len", "8", "--new-tokens", "8",
-                           "--repeats", "1", "--out", str(tmp_path / "bench")],
+                           "--repeats", "6", "--out", str(tmp_path / "bench")],
                           capture_output=True, text=True, timeout=2 * TIMEOUT, env=_env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     for b in ("1", "4"):
         row = report["batch"][b]
-        assert row["fullband_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
-        assert row["ratio"] == pytest.approx(row["fullband_tokens_per_s"] / row["plain_tokens_per_s"], rel=1e-6)
+        fb, pl = row["fullband_runs"], row["plain_runs"]
+        assert len(fb) == len(pl) == 6
+        # the report's statistics are those of its own paired runs (6 pairs: the 95% CI is [min, max])
+        assert row["paired_ratios"] == pytest.approx([f / p for f, p in zip(fb, pl)], rel=1e-12)
+        assert {k: row[k] for k in ("ratio", "ci_low", "ci_high", "min", "max", "verdict")} == pytest.approx(
+            {k: v for k, v in summarize_pairs(fb, pl).items() if k in ("ratio", "ci_low", "ci_high", "min", "max",
+                                                                         "verdict")})
+        assert (row["ci_low"], row["ci_high"]) == (min(row["paired_ratios"]), max(row["paired_ratios"]))

@@ -18,6 +18,7 @@ from .utils.errors import UsageError
 COMMAND_MODULES = [
     "fullband.commands.info",
     "fullband.commands.train",
+    "fullband.commands.data",
     "fullband.commands.quickstart",
     "fullband.commands.sft",
     "fullband.commands.generate",

@@ -89,9 +89,12 @@ def flop_accounting(model, prompt_len: int, new_tokens: int, prefill_passes: int
     """MACs per token and the extra MACs of feedback, analytically (FLOP-bound view; memory traffic aside).
 
     Decode, per new token: backbone matmuls + LM head + attention (2 * context * n_heads * head_dim per layer, at
-    the mean context of the run). Feedback adds ``W_U h`` (+ a multiply and an RMSNorm, ~3d); the gate is a table
-    lookup. Prefill: ``fused`` repeats the prompt forward ``prefill_passes`` more times (+ both fusion matmuls per
-    prompt token), ``exact`` adds the fusion per prompt token (same MACs as a plain pass, but token by token).
+    the mean context of the run). Feedback adds ``W_U h`` (+ a multiply and an RMSNorm, ~3d) and the gate: ``W_G
+    norm(e)`` (+ the norm and a sigmoid, ~3d) computed per token, which is what a decode call does unless it fuses
+    at least ``vocab`` tokens; such a call builds a gate table once (``vocab x d^2``) and then only looks the gate
+    up (``flop_overhead_table_lookup``, the build left out: it is ``gate_table_macs``, per call). Prefill:
+    ``fused`` repeats the prompt forward ``prefill_passes`` more times (+ both fusion matmuls per prompt token),
+    ``exact`` adds the fusion per prompt token (same MACs as a plain pass, but token by token).
     """
     bcfg = model.config.text_config
     backbone = model.backbone
@@ -106,7 +109,8 @@ def flop_accounting(model, prompt_len: int, new_tokens: int, prefill_passes: int
     fusion = model.feedback
     w_u = fusion.value_proj.weight.numel()
     w_g = fusion.gate_proj.weight.numel()
-    extra = w_u + 3 * fusion.value_proj.out_features
+    lookup = w_u + 3 * fusion.value_proj.out_features
+    extra = lookup + w_g + 3 * fusion.gate_proj.in_features
     prompt_attn = 2 * layers * (prompt_len + 1) / 2 * heads * head_dim  # mean context inside the prompt
     prefill_plain = prompt_len * (body + prompt_attn) + head_macs
     prefill_extra = {"standard": 0, "soft": 0,
@@ -116,7 +120,8 @@ def flop_accounting(model, prompt_len: int, new_tokens: int, prefill_passes: int
         "macs_per_token": per_token,
         "extra_macs_per_token": extra,
         "flop_overhead": {m: (0.0 if m == "standard" else extra / per_token) for m in MODES},
-        "flop_overhead_without_gate_table": (extra + w_g) / per_token,
+        "flop_overhead_table_lookup": lookup / per_token,
+        "gate_table_macs": model.get_input_embeddings().num_embeddings * w_g,
         "prefill_macs": prefill_plain,
         "prefill_flop_overhead": {m: prefill_extra[m] / prefill_plain for m in MODES},
     }
@@ -146,7 +151,7 @@ def benchmark_size(name: str, d: int, layers: int, args) -> dict:
               "parameters": sum(p.numel() for p in model.backbone.parameters()),
               "fusion_parameters": sum(p.numel() for p in model.feedback.parameters()),
               "prompt_len": P, "new_tokens": N, "prefill_passes": args.prefill_passes, "runs": [], "cache": {},
-              "paired_decode_ratios": {},
+              "paired_decode_ratios": {}, "paired_run_ratios": {},
               **flop_accounting(model, P, N, args.prefill_passes)}
     for batch in args.batch_sizes:
         g = torch.Generator().manual_seed(1234 + batch)
@@ -200,6 +205,12 @@ def benchmark_size(name: str, d: int, layers: int, args) -> dict:
                 result["cache"].setdefault(mode, {"kv_bytes": sizes["kv"], "state_bytes": sizes["state"],
                                                   "batch": batch, "cache": type(out.cache).__name__})
             result["runs"].append(run)
+        for (mode, loop), ts in times.items():
+            # the runs of one round ran back to back: the median of the per-round ratios is a paired measure
+            std = times.get(("standard", loop))
+            if mode != "standard" and std is not None and loop != "hf-backbone":
+                result["paired_run_ratios"][f"{mode}/standard {loop} b{batch}"] = statistics.median(
+                    a / b for a, b in zip(std[clock], ts[clock]))
         if "lean" in args.loops and "standard" in modes and len(modes) > 1:
             # the same decode steps run in lockstep: a paired measure of feedback's decode cost
             tick = time.process_time if clock == "cpu" else time.perf_counter
@@ -250,6 +261,8 @@ def _goal_checks(report: dict) -> list[dict]:
                 checks.append({"size": size["size"], "check": key, "value": value,
                                "goal": GOALS["lean_vs_hf_standard"], "met": value >= GOALS["lean_vs_hf_standard"]})
         kv = {m["kv_bytes"] for m in size["cache"].values()}
+        if not kv:  # no lean-loop run (--loops hf): no cache was measured
+            continue
         checks.append({"size": size["size"], "check": "kv bytes identical across modes", "value": len(kv) == 1,
                        "goal": True, "met": len(kv) == 1})
     return checks
@@ -282,13 +295,19 @@ def print_report(report: dict) -> None:
         print("ratios (separate runs):")
         for k, v in size["ratios"].items():
             print(f"  {k:<40} {v:.3f}")
+        if size["paired_run_ratios"]:
+            print("tokens/s ratios, paired by round (median over rounds of the ratio within a round):")
+            for k, v in size["paired_run_ratios"].items():
+                print(f"  {k:<40} {v:.3f}")
         if size["paired_decode_ratios"]:
             print("decode tokens/s ratios, steps of the modes interleaved (paired, median step):")
             for k, v in size["paired_decode_ratios"].items():
                 print(f"  {k:<40} {v:.3f}")
-        print(f"FLOP-bound overhead per decoded token (extra MACs / total MACs): "
+        print(f"FLOP-bound overhead per decoded token (extra MACs / total MACs), gate computed per token: "
               f"{size['flop_overhead']['soft']:.4%} ({size['extra_macs_per_token']:,} / "
-              f"{size['macs_per_token']:,.0f}); without the gate table {size['flop_overhead_without_gate_table']:.4%}")
+              f"{size['macs_per_token']:,.0f}); a call that fuses >= {size['vocab']:,} tokens looks it up in a "
+              f"table instead: {size['flop_overhead_table_lookup']:.4%} per token + "
+              f"{size['gate_table_macs']:,} MACs once per call")
         print("prefill FLOP overhead: " + ", ".join(f"{m} {v:.2%}" for m, v in size["prefill_flop_overhead"].items()))
         print("KV-cache bytes per mode: " + ", ".join(
             f"{m} {c['kv_bytes']:,} (+{c['state_bytes']:,} state, batch {c['batch']}, {c['cache']})"

@@ -7,6 +7,8 @@
     seed, the tokenizer and the data order (so every run reads the same batches in the same order, the longer
     runs then read further). All are evaluated on the same held-out rows: the baselines in standard mode, FBT in
     standard, K-pass and exact mode (exact = the token-by-token recurrence decoding runs; the headline figure).
+    Finished runs of the same options and data are reused; one that differs is kept and the experiment stops with
+    an error naming the differences, unless ``--overwrite``.
 
     Reported: FBT's *effective token multiplier* -- the training tokens at which the baseline curve reaches FBT's
     held-out loss (linear interpolation of loss in log-tokens between the two budgets that bracket it), divided
@@ -41,8 +43,10 @@ from .experiment_common import (
     check_done,
     crossing,
     describe_multiplier,
+    finished,
     loss_at,
     plain_config,
+    refuse_changed_runs,
     run_name,
     say_for,
     steps_for,
@@ -107,10 +111,12 @@ def run_data_efficiency(args) -> dict:
     # ---- training
     t = time.perf_counter()
     summaries = {}
-    _, fbt_sum, shared = train_pair(base_cfgs[1.0], fbt_cfg, corpus, share=not args.no_share_prefix)
+    refuse_changed_runs([fbt_cfg, *base_cfgs.values()], corpus, args.overwrite)  # before anything is trained
+    _, fbt_sum, shared = train_pair(base_cfgs[1.0], fbt_cfg, corpus, share=not args.no_share_prefix,
+                                    overwrite=args.overwrite)
     summaries["fbt"] = fbt_sum
     for m, c in base_cfgs.items():
-        if m == 1.0:
+        if m == 1.0 or finished(c, corpus):  # a finished run of the same options and data is reused
             continue
         s = train(c, overwrite=True, corpus=corpus, name=run_name(c))
         check_done(s)

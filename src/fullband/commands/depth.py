@@ -21,8 +21,9 @@ mode three interventions on the fed-back state (zeroed everywhere, taken from an
 it enters the ``=`` position) say whether the state is used. Reported: accuracy per cell with a 95% bootstrap CI,
 paired differences to both baselines on the k >= 2 cells, the paired effect of think positions (the same questions
 at 0 and max_think), pointer accuracy where the answer is not the start symbol (the copy shortcut), and a plot.
-A finished run is reused only for the same options and the same training problems. Writes ``results.json`` (per-example
-correctness included), ``report.md`` and ``depth.png`` into ``--out``.
+A finished run is reused only for the same options, the same training problems and the same initial backbone; one
+that differs is kept and the experiment stops with an error naming the differences, unless ``--overwrite``. Writes
+``results.json`` (per-example correctness included), ``report.md`` and ``depth.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -56,9 +57,16 @@ from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.engine import run as run_training
 from ..training.pretrain import PretrainRecipe
-from ..utils.io import atomic_write_json
 from ..utils.stats import bootstrap_ci
-from .experiment_common import apply_quick, finished, pick_arms, save_png, write_outputs
+from .experiment_common import (
+    add_overwrite_argument,
+    apply_quick,
+    finished,
+    pick_arms,
+    refuse_changed_runs,
+    save_png,
+    write_outputs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,34 +123,23 @@ def init_backbone(args, tokenizer, depth: int) -> str:
     return path
 
 
-def data_key(rows: torch.Tensor) -> dict:
-    """What a finished run was trained on (a run is reused only for the same problems in the same order)."""
-    weights = torch.arange(1, rows.numel() + 1, dtype=torch.float64).remainder_(1_000_003).view_as(rows)
-    return {"rows": list(rows.shape), "sum": int(rows.sum()), "weighted": float((rows.double() * weights).sum())}
-
-
-def _read_json(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def train_arm(args, arm: Arm, corpus, say) -> tuple[TrainConfig, float | None]:
+def arm_config(args, arm: Arm, corpus) -> TrainConfig:
     cfg = TrainConfig(out=os.path.join(args.out, "runs", arm.name), steps=args.steps, seed=args.seed,
                       init_from=init_backbone(args, corpus.tokenizer, arm.depth), lr=args.lr,
                       batch_size=args.batch_size, seq_len=corpus.train_rows.shape[1], device=args.device,
                       progress=False, tensorboard=False, plot=False, save_every=0, **arm.settings)
-    cfg.validate()
-    key_path = os.path.join(cfg.out, "depth_data.json")
-    key = data_key(corpus.train_rows)
-    if not (finished(cfg) and _read_json(key_path) == key):  # the same options and the same problems
-        say(f"depth: training {arm.name} ({args.steps} steps)")
-        summary = run_training(DepthRecipe(cfg, corpus, arm.name), resume=False, overwrite=True)
+    return cfg.validate()
+
+
+def train_arm(args, arm: Arm, corpus, say, recipe=None, tag: str = "depth") -> tuple[TrainConfig, float | None]:
+    """Train ``arm`` (a finished run of the same options and data is reused); ``recipe`` (a
+    :class:`DepthRecipe`-like class, default that) says where the labels are (the state experiment's are dense)."""
+    cfg = arm_config(args, arm, corpus)
+    if not finished(cfg, corpus):  # the same options, the same problems in the same order, the same initial model
+        say(f"{tag}: training {arm.name} ({cfg.steps} steps)")
+        summary = run_training((recipe or DepthRecipe)(cfg, corpus, arm.name), resume=False, overwrite=True)
         if summary["status"] != "done":
             raise RuntimeError(f"{arm.name}: training did not finish: {summary.get('message')}")
-        atomic_write_json(key_path, key)
     try:
         with open(os.path.join(cfg.out, "summary.json")) as f:
             elapsed = json.load(f).get("elapsed")
@@ -399,6 +396,7 @@ def run_depth(args) -> dict:
            "chance": {"pointer": 1 / 6, "compose": 1 / 6, "modsum": 1 / 7}, "runs": {}}
     device = str(resolve_device(args.device))
     test_rows, test_pos = test_rows.to(device), test_pos.to(device)
+    refuse_changed_runs([arm_config(args, ARM_BY_NAME[n], corpus) for n in names], corpus, args.overwrite)
     for name in names:
         arm = ARM_BY_NAME[name]
         cfg, elapsed = train_arm(args, arm, corpus, say)
@@ -448,6 +446,7 @@ def add_parser(ex) -> None:
                                     "accuracy per k and decode mode",
                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--out", default=DEFAULTS["out"], help="output directory (default: %(default)s)")
+    add_overwrite_argument(r)
     r.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="L (default: %(default)s)")
     r.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="model width (default: %(default)s)")
     r.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")

@@ -1,5 +1,7 @@
-"""What the experiments share: the recipe options, the paired baseline/FBT training, and reading a baseline
-curve (where it reaches a loss, its loss at a budget)."""
+"""What the experiments share: the recipe options, the paired baseline/FBT training, the ``--overwrite``
+option (which finished runs are reused and which are refused is
+:func:`fullband.training.pretrain.run_differences`'s), and reading a baseline curve
+(where it reaches a loss, its loss at a budget)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import shutil
 import sys
 
 from ..training.config import TrainConfig, make_config, same_path
-from ..training.pretrain import train
+from ..training.pretrain import finished, read_summary, refuse_changed_runs, train
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from .quickstart import copy_branch
 
@@ -79,6 +81,7 @@ def add_recipe_arguments(p) -> None:
 
 def add_common_arguments(p, defaults: dict) -> None:
     p.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
+    add_overwrite_argument(p)
     p.add_argument("--preset", default=defaults["preset"],
                    help="model size preset (micro, tiny, small, gpt2-small) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=defaults["steps"],
@@ -143,14 +146,22 @@ def branch_step(base_cfg, other_cfg) -> int:
     return lo
 
 
-def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None) -> tuple[dict, dict, int]:
+def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None,
+               overwrite: bool = False) -> tuple[dict, dict, int]:
     """Train the baseline and the FBT run (same steps, seed, data), and ``longer_cfg`` when given (a plain run of more
     steps, e.g. the baseline at the FBT run's training FLOPs). With ``share``, steps identical in several runs are
     trained once: the K = 1 steps before the feedback start, and the baseline's steps before its LR schedule parts
     from ``longer_cfg``'s (:func:`branch_step`); each branch resumes from the baseline's checkpoint there. Returns
-    the baseline's and FBT's summaries (and checks ``longer_cfg``'s) and the number of steps FBT shares."""
+    the baseline's and FBT's summaries (and checks ``longer_cfg``'s) and the number of steps FBT shares. Finished
+    runs of the same configuration and data are reused when all are; one that differs is refused
+    (:func:`refuse_changed_runs`) unless ``overwrite``."""
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     share = share and 0 < start < fbt_cfg.steps and base_cfg.steps == fbt_cfg.steps
+    cfgs = [c for c in (base_cfg, fbt_cfg, longer_cfg) if c is not None]
+    refuse_changed_runs(cfgs, corpus, overwrite)
+    if all(finished(c, corpus) for c in cfgs):
+        base, fbt = (read_summary(c.out) for c in (base_cfg, fbt_cfg))
+        return base, fbt, start if share else 0
     branches = [(start, fbt_cfg)] if share else []
     if longer_cfg is not None and share:
         at = min(branch_step(base_cfg, longer_cfg), base_cfg.steps - 1)
@@ -176,22 +187,10 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None) -
     return base, fbt, start if share else 0
 
 
-_NOT_TRAJECTORY = ("progress", "tensorboard", "plot", "device", "eval_every", "eval_rows", "save_every",
-                   "keep_checkpoints", "stop_after")
-
-
-def finished(cfg: TrainConfig) -> bool:
-    """Whether ``cfg.out`` holds a finished run of exactly this configuration (a re-run of the experiment, or a
-    second invocation with other arms or seeds, reuses it instead of training it again)."""
-    try:
-        with open(os.path.join(cfg.out, "summary.json")) as f:
-            done = json.load(f).get("status") == "done"
-        with open(os.path.join(cfg.out, "run_config.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return False
-    mine = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_TRAJECTORY}
-    return done and all(saved.get(k) == v for k, v in mine.items())
+def add_overwrite_argument(p) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="retrain a finished run whose options differ from this invocation's (by default such a "
+                        "run is kept and the experiment stops with an error naming the differences)")
 
 
 def run_name(cfg) -> str:

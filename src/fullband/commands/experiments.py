@@ -7,6 +7,8 @@
   paired statistics;
 * ``recipe`` (:mod:`.recipe`): the feedback recipe grid -- every mode, equal tokens and equal FLOPs, >= 2 seeds;
 * ``depth`` (:mod:`.depth`): k-hop pointer chasing and iterated composition -- does FBT(L) reach baseline(2L)?
+* ``state`` (:mod:`.state_experiment`): running-state tasks with a label at every position (S3 / S5 word problem,
+  parity, variable tracking) -- FBT trained with long recurrences vs baselines of 1, 2 and 4x depth, at T, 2T, 4T;
 
 Each writes ``results.json`` and ``report.md`` into ``--out`` and prints its tables; trained models stay in
 ``OUT/runs/`` (``OUT/seed*/`` for the recipe grid).
@@ -22,13 +24,14 @@ from .data_efficiency import __doc__ as data_efficiency_doc
 from .depth import add_parser as add_depth_parser
 from .experiment_common import add_common_arguments, add_recipe_arguments
 from .reasoning_experiment import add_parser as add_reasoning_parser
+from .state_experiment import add_parser as add_state_parser
 from .recipe import add_parser as add_recipe_parser
 
 # ============================================================================================== CLI
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning, depth",
+    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning, depth, state",
                        description=__doc__.split("\n\n")[0])
     ex = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
@@ -51,3 +54,4 @@ def add_parser(sub) -> None:
     add_reasoning_parser(ex)
     add_recipe_parser(ex)
     add_depth_parser(ex)
+    add_state_parser(ex)

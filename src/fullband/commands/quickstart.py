@@ -45,11 +45,11 @@ from transformers.utils import logging as hf_logging
 
 from ..eval.scoring import load_any_model, row_losses
 from ..model.generation import MODES, generate
-from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR
+from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, step_dir_name
 from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig
 from ..training.device import load_average, tune_cpu_allocator
-from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
+from ..training.pretrain import build_tokenizer_and_corpus, refuse_changed_runs, spread_rows, train
 from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 from ..utils.plotting import plot_loss_curves
 from ..utils.stats import bootstrap_ci
@@ -84,7 +84,7 @@ def copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
     if os.path.isdir(fbt_dir):
         _clear_outputs(fbt_dir)
     os.makedirs(os.path.join(fbt_dir, CKPT_DIR), exist_ok=True)
-    name = os.path.basename(ckpt)
+    name = step_dir_name(step)  # the plain step name `latest` must hold, whatever the source directory is called
     shutil.copytree(ckpt, os.path.join(fbt_dir, CKPT_DIR, name))
     atomic_write_text(os.path.join(fbt_dir, CKPT_DIR, LATEST), name + "\n")
     shutil.copytree(os.path.join(base_dir, TOKENIZER_DIR), os.path.join(fbt_dir, TOKENIZER_DIR))
@@ -221,7 +221,8 @@ def run_quickstart(args) -> dict:
         f"{corpus.val_rows.numel():,} held-out tokens ({len(corpus.val_docs)} works: {', '.join(corpus.val_docs)}); "
         f"{t_data:.1f}s")
 
-    # ---- training
+    # ---- training (a finished run of other options or data is kept unless --overwrite: checked before anything)
+    refuse_changed_runs([base_cfg, fbt_cfg] + ([] if args.no_flops_baseline else [flops_cfg]), corpus, args.overwrite)
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     share = (not args.no_share_prefix) and 0 < start < fbt_cfg.steps
     t = time.perf_counter()
@@ -398,6 +399,9 @@ def add_parser(sub) -> None:
                                    "OUT/curves.png, OUT/baseline/ and OUT/fbt/.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="retrain finished runs in OUT whose options or data differ from this invocation's (by "
+                        "default they are kept and quickstart stops with an error naming the differences)")
     p.add_argument("--preset", default=DEFAULTS["preset"], help="model size preset (tiny, small, gpt2-small)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps per model")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="rows per step")

@@ -12,9 +12,12 @@
     forced verbosity (the prompt followed by that verbosity's opening tokens).
     Reported per model, mode and verbosity: accuracy (math-verify), mean trace length (tokens before ``####``) and,
     for ``free``, which verbosity the model chose; paired against the baseline at equal tokens and against
-    ``baseline-flops`` at equal FLOPs, pooled over seeds (the same problems for every seed): exact McNemar on
-    correctness, percentile-bootstrap 95% CIs of the accuracy and trace-length differences (problems resampled
-    within each seed). Finished runs and their decodes are reused.
+    ``baseline-flops`` at equal FLOPs, over seeds that decode the same problems (the problem is the unit): the exact
+    sign-flip test of the per-problem correctness differences summed over seeds (one seed: exact McNemar), McNemar
+    per seed, and percentile-bootstrap 95% CIs of the accuracy and trace-length differences that draw one set of
+    problems per resample for every seed (problems resampled, not training runs). Finished runs of the same
+    options and data are reused, and their decodes as long as the model's weights are the same; a finished run
+    that differs is kept and the experiment stops with an error naming the differences, unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from ..eval.problems import ANSWER_MARKER, VERBOSITIES, format_example, make_pro
 from ..eval.reasoning import evaluate_reasoning, summarize
 from ..model.generation import MODES
 from ..model.modeling import load_model
+from ..training.checkpoint import evaluation_key
 from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..utils.io import atomic_write_json, atomic_write_text
-from ..utils.stats import discordant_counts, mcnemar_exact, stratified_bootstrap_ci
+from ..utils.stats import bootstrap_ci_shared_problems, paired_test_shared_problems
 from .experiment_common import (
     add_common_arguments,
     add_recipe_arguments,
@@ -48,6 +52,7 @@ from .experiment_common import (
     base_config,
     finished,
     plain_config,
+    refuse_changed_runs,
     say_for,
     steps_for,
     train_pair,
@@ -181,11 +186,12 @@ def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
 def train_seed(args, cfgs: dict, corpus, say) -> float:
     """Train the seed's runs unless all are finished (finished runs of the same configuration are reused); the
     seconds spent. ``baseline-flops`` branches off the baseline where their LR schedules part."""
-    if all(finished(c) for c in cfgs.values()):
+    if all(finished(c, corpus) for c in cfgs.values()):
         return 0.0
     say(f"reasoning: training {', '.join(c.out for c in cfgs.values())}")
     t = time.perf_counter()
-    train_pair(cfgs[BASELINE], cfgs[FBT], corpus, share=not args.no_share_prefix, longer_cfg=cfgs.get(FLOPS))
+    train_pair(cfgs[BASELINE], cfgs[FBT], corpus, share=not args.no_share_prefix, longer_cfg=cfgs.get(FLOPS),
+               overwrite=args.overwrite)
     return time.perf_counter() - t
 
 
@@ -206,7 +212,7 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
     runs = []
     for label, cfg in cfgs.items():
         model = None
-        key = {**key_base, "run_mtime": os.path.getmtime(os.path.join(cfg.out, "summary.json"))}
+        key = evaluation_key(cfg.out, **key_base)  # the decoded model's weights: a retrained one is decoded again
         for mode in (fbt_modes if label == FBT else ["standard"]):
             for style in styles:
                 name = f"{label}/{mode}/{style}"
@@ -229,24 +235,33 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
 
 
 def compare(a: list[dict], b: list[dict], seed: int, n_resamples: int) -> dict:
-    """A − B over the same problems of every seed (``a``, ``b``: one run per seed, in the same seed order)."""
-    acc, trace, both = [], [], []
+    """A − B over the same problems of every seed (``a``, ``b``: one run per seed, in the same seed order; every
+    seed decodes the same problems, so the problem is the unit): the exact sign-flip test of the per-problem
+    differences summed over seeds (each problem counted once; one seed: exact McNemar), McNemar per seed, and
+    bootstrap CIs of the mean over seeds that draw one set of problems per resample for all seeds."""
+    ids = [r["id"] for r in a[0]["records"]]
+    acc, trace, both, ca_all, cb_all = [], [], [], [], []
     for ra, rb in zip(a, b):
-        if [r["id"] for r in ra["records"]] != [r["id"] for r in rb["records"]]:
-            raise ValueError("the two runs did not see the same problems in the same order")
+        if [r["id"] for r in ra["records"]] != ids or [r["id"] for r in rb["records"]] != ids:
+            raise ValueError("the runs did not see the same problems in the same order (in every seed)")
         ca = np.array([r["correct"] for r in ra["records"]], dtype=float)
         cb = np.array([r["correct"] for r in rb["records"]], dtype=float)
         ta = np.array([r["trace_tokens"] for r in ra["records"]], dtype=float)
         tb = np.array([r["trace_tokens"] for r in rb["records"]], dtype=float)
+        ca_all.append(ca > 0)
+        cb_all.append(cb > 0)
         acc.append(ca - cb)
         trace.append(ta - tb)
-        both.append((ta - tb)[(ca > 0) & (cb > 0)])
-    a_only, b_only = discordant_counts([r["correct"] for ra in a for r in ra["records"]],
-                                       [r["correct"] for rb in b for r in rb["records"]])
-    both = [x for x in both if x.size]
-    return {"n": sum(x.size for x in acc), "a_only": a_only, "b_only": b_only, "mcnemar_p": mcnemar_exact(a_only, b_only),
-            "accuracy": stratified_bootstrap_ci(acc, seed, n_resamples), "trace": stratified_bootstrap_ci(trace, seed, n_resamples),
-            "trace_both_correct": stratified_bootstrap_ci(both, seed, n_resamples) if both else None}
+        both.append(np.where((ca > 0) & (cb > 0), ta - tb, np.nan))  # defined where both were right
+    test = paired_test_shared_problems(ca_all, cb_all)
+    both = [x for x in both if not np.isnan(x).all()]
+    return {"problems": len(ids), "seeds": len(acc), "p": test["p"], "p_method": test["method"],
+            "a_only_per_seed": [t["a_only"] for t in test["per_seed"]],
+            "b_only_per_seed": [t["b_only"] for t in test["per_seed"]],
+            "mcnemar_p_per_seed": [t["mcnemar_p"] for t in test["per_seed"]],
+            "accuracy": bootstrap_ci_shared_problems(acc, seed, n_resamples),
+            "trace": bootstrap_ci_shared_problems(trace, seed, n_resamples),
+            "trace_both_correct": bootstrap_ci_shared_problems(both, seed, n_resamples) if both else None}
 
 
 def table_rows(runs: list[dict]) -> list[dict]:
@@ -304,7 +319,7 @@ def _ci(c: dict | None, digits: int = 3) -> str:
 
 def tables(res: dict, full: bool = False) -> str:
     """The accuracy / trace table, then FBT's paired differences against both baselines (``full``: also against its
-    own standard mode and baseline-flops against the baseline, each with its discordant counts)."""
+    own standard mode and baseline-flops against the baseline, each with its discordant counts per seed)."""
     rows = res["table"]
     styles = list(dict.fromkeys(r["style"] for r in rows))
     by = {(r["model"], r["mode"], r["style"]): r for r in rows}
@@ -332,20 +347,23 @@ def tables(res: dict, full: bool = False) -> str:
     present = [k for k in kinds if any(c["kind"] == k for c in comps)]
     if present:
         head = "| FBT mode | verbosity |" + "".join(f" Δ accuracy vs {'baseline' if k == kinds[0] else FLOPS} ({k}) "
-                                                      "[95% CI], McNemar p |" for k in present)
+                                                      "[95% CI], p |" for k in present)
         head += "".join(f" Δ trace vs {'baseline' if k == kinds[0] else FLOPS} [95% CI] |" for k in present)
         lines += ["", head, "| --- | --- |" + " ---: |" * (2 * len(present))]
         for a, style in dict.fromkeys((c["a"], c["style"]) for c in comps if c["kind"] in present):
             cs = [main.get((a, style, k)) for k in present]
             lines.append(f"| {a.split('/', 1)[1]} | {style} |"
-                         + "".join(f" {_ci(c['accuracy'])}, p={c['mcnemar_p']:.2g} |" for c in cs)
+                         + "".join(f" {_ci(c['accuracy'])}, p={c['p']:.2g} |" for c in cs)
                          + "".join(f" {_ci(c['trace'], 1)} |" for c in cs))
     if full:
-        lines += ["", "| A | B | verbosity | Δ accuracy [95% CI] | A only / B only | McNemar p | Δ trace [95% CI] | "
-                      "Δ trace, both right |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", "| A | B | verbosity | Δ accuracy [95% CI] | p (sign-flip) | A only / B only per seed | "
+                      "McNemar p per seed | Δ trace [95% CI] | Δ trace, both right |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for c in comps:
+            counts = ", ".join(f"{x} / {y}" for x, y in zip(c["a_only_per_seed"], c["b_only_per_seed"]))
+            per_seed_p = ", ".join(f"{q:.3g}" for q in c["mcnemar_p_per_seed"])
             lines.append(f"| {c['a']} | {c['b']} ({c['kind']}) | {c['style']} | {_ci(c['accuracy'])} | "
-                         f"{c['a_only']} / {c['b_only']} | {c['mcnemar_p']:.3g} | {_ci(c['trace'], 1)} | "
+                         f"{c['p']:.3g} | {counts} | {per_seed_p} | {_ci(c['trace'], 1)} | "
                          f"{_ci(c['trace_both_correct'], 1)} |")
     return "\n".join(lines)
 
@@ -365,8 +383,12 @@ def markdown(res: dict, text: str) -> str:
         f"{tr['recipe']}.", "",
         "Verbosity: `free` = the model chooses (greedy); `full` / `partial` / `direct` = the prompt followed by "
         "that verbosity's opening tokens (counted in the trace). Trace = tokens before `####`. Accuracy pooled over "
-        "seeds (per seed in brackets). Δ: A − B over the same problems of every seed; exact McNemar on the discordant "
-        "pairs (A only / B only); bootstrap CIs resample problems within each seed (not training runs).", "",
+        "seeds (per seed in brackets). Δ: A − B, the mean over seeds of the mean over the same problems; every seed "
+        "decodes the same problems, so the problem is the unit: p is the exact two-sided sign-flip test of the "
+        "per-problem differences summed over seeds (each problem counted once; with one seed it is exact McNemar), "
+        "next to exact McNemar on each seed's discordant pairs (A only / B only); the percentile-bootstrap 95% CIs "
+        "draw one set of problems per resample and apply it to every seed (problems resampled, not training runs).",
+        "",
         text, "",
         f"Wall time {res['seconds']:.0f}s (training {res['train_seconds']:.0f}s in this invocation, decoding "
         f"{res['decode_seconds']:.0f}s summed, finished runs and decodes reused); load average "
@@ -399,10 +421,11 @@ def run_reasoning_experiment(args) -> dict:
     options = {**TASK_DEFAULTS.get(args.task, {}), **parse_task_options(args.task_option)}
     train_p, test_p, removed, counts, train_file, tokenizer, corpus = build_data(args, options, mix, say)
     seeds = [args.seed + i for i in range(args.num_seeds)]
-    runs, train_seconds, configs = [], 0.0, {}
+    runs, train_seconds = [], 0.0
+    configs = {seed: seed_configs(args, seed, steps, train_file) for seed in seeds}
+    refuse_changed_runs([c for cfgs in configs.values() for c in cfgs.values()], corpus, args.overwrite)
     for seed in seeds:
-        cfgs = seed_configs(args, seed, steps, train_file)
-        configs[seed] = cfgs
+        cfgs = configs[seed]
         train_seconds += train_seed(args, cfgs, corpus, say)
         runs += decode_seed(args, cfgs, tokenizer, test_p, styles, fbt_modes, say)
     fbt_cfg = configs[seeds[0]][FBT]

@@ -21,9 +21,12 @@ K = 2 and K = 3 teacher-forced passes, ``exact`` (the token-by-token recurrence)
 ``fused`` scoring of each row's continuation after a ``--prompt-tokens`` prompt; all modes score the same
 tokens (each row's positions after the prompt). Reported per arm and mode: the loss (mean over seeds, and per
 seed), the paired difference to the baseline at equal tokens and at equal training FLOPs (percentile bootstrap
-over rows, per seed; the pooled CI resamples rows within each seed), and the switch-on diagnostics (pass-2 minus
+over rows, per seed; the pooled CI resamples rows within each seed: each seed's held-out rows come from its own
+seeded validation split, so the seeds share no rows), and the switch-on diagnostics (pass-2 minus
 pass-1 loss and gradient norm over the first feedback steps). Writes ``results.json``, ``report.md`` and
-``recipe.png`` into ``--out``.
+``recipe.png`` into ``--out``. Finished runs of the same options, data and trunk are reused, and their evaluations
+as long as the model's weights and the scored rows are the same; a finished run that differs is kept and the
+experiment stops with an error naming the differences, unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -43,14 +46,23 @@ from transformers.utils import logging as hf_logging
 from ..eval.flops import flop_parameters, training_flops
 from ..eval.scoring import load_any_model, row_losses
 from ..model.configuration import has_feedback
+from ..training.checkpoint import evaluation_key
 from ..training.config import TrainConfig
 from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.presets import get_preset
-from ..training.pretrain import build_tokenizer_and_corpus, spread_rows, train
+from ..training.pretrain import build_tokenizer_and_corpus, rows_fingerprint, spread_rows, train
 from ..utils.io import atomic_write_json, read_jsonl
-from ..utils.stats import bootstrap_ci, stratified_bootstrap_ci
-from .experiment_common import apply_quick, finished, pick_arms, save_png, write_outputs
+from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
+from .experiment_common import (
+    add_overwrite_argument,
+    apply_quick,
+    finished,
+    pick_arms,
+    refuse_changed_runs,
+    save_png,
+    write_outputs,
+)
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -144,10 +156,10 @@ def switch_on_stats(records: list[dict], first: int = 10) -> dict | None:
 
 
 def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
-    """Per-row losses of a finished run in every mode it has (cached in ``OUT/recipe_eval.json``, keyed by what
-    was scored), its training FLOPs and its switch-on statistics."""
-    key = {"eval_rows": int(rows.shape[0]), "seq_len": int(rows.shape[1]), "prompt_tokens": args.prompt_tokens,
-           "rows_sum": int(rows.sum())}
+    """Per-row losses of a finished run in every mode it has (cached in ``OUT/recipe_eval.json``, keyed by the
+    model scored, :func:`fullband.training.checkpoint.evaluation_key`, and the rows and prompt it was scored on),
+    its training FLOPs and its switch-on statistics."""
+    key = evaluation_key(cfg.out, rows_sha256=rows_fingerprint(rows), prompt_tokens=args.prompt_tokens)
     path = os.path.join(cfg.out, "recipe_eval.json")
     try:
         with open(path) as f:
@@ -181,28 +193,34 @@ def _elapsed(out: str) -> float | None:
         return None
 
 
-def run_seed(args, seed: int, arms: list[Arm], say) -> dict:
-    """Trunk, every arm and the FLOP-matched baseline of one seed (finished runs are reused); per-row losses of
-    each (run, mode)."""
+def seed_plan(args, seed: int, arms: list[Arm]) -> tuple[TrainConfig, dict[str, TrainConfig]]:
+    """The trunk's config of one seed and every arm's (the FLOP-matched baseline last), validated."""
     root = os.path.join(args.out, f"seed{seed}")
     peak = args.lr or get_preset(args.preset).lr
     trunk_cfg = _config(args, os.path.join(root, "trunk"), args.trunk_steps, seed, num_passes=1, lr=peak,
                         lr_schedule="constant", warmup_fraction=0.05)
-    trunk_cfg.validate()
-    corpus = build_tokenizer_and_corpus(trunk_cfg)
-    if not finished(trunk_cfg):
-        say(f"recipe: seed {seed}: trunk, {args.trunk_steps} plain steps")
-        _train(trunk_cfg, corpus, f"seed {seed} trunk")
     plan = [(a.name, a.settings, a.lr_scale, args.branch_steps) for a in arms]
     plan.append((FLOPS_BASELINE, dict(num_passes=1, **_WSD), 1.0, math.ceil(args.branch_steps * args.flops_multiplier)))
+    cfgs = {name: _config(args, os.path.join(root, name), steps, seed, init_from=trunk_cfg.out, feedback_start=0.0,
+                          lr=peak * lr_scale, data_offset=args.trunk_steps, **settings)
+            for name, settings, lr_scale, steps in plan}
+    trunk_cfg.validate()
+    for cfg in cfgs.values():  # the trunk they continue may not exist yet
+        dataclasses.replace(cfg, init_from=None).validate()
+    return trunk_cfg, cfgs
+
+
+def run_seed(args, seed: int, trunk_cfg: TrainConfig, cfgs: dict[str, TrainConfig], corpus, say) -> dict:
+    """Trunk, every arm and the FLOP-matched baseline of one seed (finished runs of the same options, data and
+    trunk are reused); per-row losses of each (run, mode)."""
+    if not finished(trunk_cfg, corpus):
+        say(f"recipe: seed {seed}: trunk, {args.trunk_steps} plain steps")
+        _train(trunk_cfg, corpus, f"seed {seed} trunk")
     rows = spread_rows(corpus.val_rows, args.eval_rows)
     runs = {}
-    for name, settings, lr_scale, steps in plan:
-        cfg = _config(args, os.path.join(root, name), steps, seed, init_from=trunk_cfg.out, feedback_start=0.0,
-                      lr=peak * lr_scale, data_offset=args.trunk_steps, **settings)
-        cfg.validate()
-        if not finished(cfg):
-            say(f"recipe: seed {seed}: {name}, {steps} steps")
+    for name, cfg in cfgs.items():
+        if not finished(cfg, corpus):  # also when the trunk it continues was retrained
+            say(f"recipe: seed {seed}: {name}, {cfg.steps} steps")
             _train(cfg, corpus, f"seed {seed} {name}")
         runs[name] = dict(evaluate_run(cfg, rows, args), train_seconds=_elapsed(cfg.out))
     return {"seed": seed, "runs": runs, "eval_rows": int(rows.shape[0]),
@@ -244,12 +262,13 @@ def analyse(seeds: list[dict], arms: list[Arm], boot_seed: int = 0) -> list[dict
             row = {"arm": arm.name, "mode": mode, "loss": sum(per_seed) / len(per_seed), "loss_per_seed": per_seed,
                    "reference": arm.reference, "flops": [s["runs"][arm.name]["flops"] for s in seeds]}
             if arm.name != arm.reference:
-                row["delta_tokens"] = stratified_bootstrap_ci(d_tok, boot_seed)
+                # each seed scores rows of its own seeded validation split: resampled within each seed
+                row["delta_tokens"] = bootstrap_ci_within_seeds(d_tok, boot_seed)
                 row["delta_tokens_per_seed"] = [bootstrap_ci(d, seed=boot_seed).as_dict() for d in d_tok]
             if mode != "standard":
-                row["delta_vs_own_standard"] = stratified_bootstrap_ci(d_self, boot_seed)
+                row["delta_vs_own_standard"] = bootstrap_ci_within_seeds(d_self, boot_seed)
             if flop_ok and arm.name != "baseline":
-                row["delta_flops"] = stratified_bootstrap_ci(d_flop, boot_seed)
+                row["delta_flops"] = bootstrap_ci_within_seeds(d_flop, boot_seed)
             table.append(row)
     return table
 
@@ -346,7 +365,11 @@ def run_recipe(args) -> dict:
     args.device_resolved = str(resolve_device(args.device))
     say = (lambda *a: None) if args.no_progress and args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     load0, t0 = load_average(), time.perf_counter()
-    per_seed = [run_seed(args, s, arms, say) for s in seeds]
+    plans = {s: seed_plan(args, s, arms) for s in seeds}
+    corpora = {s: build_tokenizer_and_corpus(plans[s][0]) for s in seeds}
+    for s, (trunk_cfg, cfgs) in plans.items():  # before anything is trained
+        refuse_changed_runs([trunk_cfg, *cfgs.values()], corpora[s], args.overwrite)
+    per_seed = [run_seed(args, s, *plans[s], corpora[s], say) for s in seeds]
     res = {"arms": [a.name for a in arms] + [FLOPS_BASELINE],
            "arm_descriptions": {a.name: a.description for a in arms}, "seeds": seeds,
            "settings": {k: getattr(args, k) for k in DEFAULTS if k != "out"} | {"quick": bool(args.quick)},
@@ -392,6 +415,7 @@ def add_parser(ex) -> None:
                                      "equal tokens and equal FLOPs, >= 2 seeds",
                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--out", default=DEFAULTS["out"], help=f"output directory (default: {DEFAULTS['out']})")
+    add_overwrite_argument(r)
     r.add_argument("--preset", default=DEFAULTS["preset"], help="backbone size preset (default: tiny; small / "
                                                                 "gpt2-small with --device cuda)")
     r.add_argument("--trunk-steps", type=int, default=DEFAULTS["trunk_steps"], help="plain trunk steps per seed")

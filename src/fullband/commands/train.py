@@ -3,13 +3,15 @@
 Owns the ``train`` sub-command: one flag per :class:`fullband.training.config.TrainConfig` field
 (:func:`add_config_arguments`, shared with ``fullband sft``), ``--config FILE`` (YAML/TOML), ``--resume`` (the
 checkpoint's saved options apply unless overridden: :func:`config_from_args`) and ``--overwrite``; the exit code
-(3 when the stability guard stopped the run) and the one-line result.
+(3 when the stability guard stopped the run) and the one-line result; ``--dry-run`` prints the plan of
+:mod:`fullband.training.plan` instead of training.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -17,6 +19,7 @@ from ..training.checkpoint import CKPT_DIR, find_checkpoint, load_trainer_state
 from ..training.config import TrainConfig, flag_name, make_config, option_names, read_config_file, saved_options
 from ..training.device import tune_cpu_allocator
 from ..training.engine import EXIT_STOPPED
+from ..training.plan import GPU_PEAK_BF16, format_plan, make_plan
 from ..training.pretrain import train
 
 GROUP_TITLES = {"run": "run", "data": "data", "model": "model", "optim": "optimisation", "feedback": "feedback schedule",
@@ -37,6 +40,16 @@ def add_parser(sub) -> None:
                         "overridden; changing the trajectory is refused)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that already holds a run (removes its checkpoints, metrics and model)")
+    plan = p.add_argument_group("plan (--dry-run: print what the run would cost and exit; reads no data, writes nothing)")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="print parameters, training FLOPs per step for each K of the schedule, memory per device "
+                           "and the time at --plan-mfu on --plan-devices x --plan-gpu, then exit")
+    plan.add_argument("--plan-gpu", default="h200", choices=sorted(GPU_PEAK_BF16), help="GPU of the plan (default: h200)")
+    plan.add_argument("--plan-devices", type=int, default=None, metavar="N",
+                      help="devices of the plan (default: WORLD_SIZE, else 1)")
+    plan.add_argument("--plan-mfu", type=float, default=0.4, metavar="X",
+                      help="model-FLOP utilisation assumed for the time (default: 0.4)")
+    plan.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     add_config_arguments(p, TrainConfig)
     p.set_defaults(func=run_cli)
 
@@ -104,6 +117,14 @@ def report_status(command: str, summary: dict) -> int | None:
 
 
 def run_cli(args) -> int:
+    if args.dry_run:
+        explicit = {k: v for k, v in vars(args).items() if k in set(option_names(TrainConfig))}
+        explicit.setdefault("out", "(dry run)")
+        cfg = make_config(explicit, args.config, None, TrainConfig)
+        devices = args.plan_devices or int(os.environ.get("WORLD_SIZE", "1"))
+        result = make_plan(cfg, world_size=devices, gpu=args.plan_gpu, mfu=args.plan_mfu)
+        print(json.dumps(result, indent=2) if args.json else format_plan(result))
+        return 0
     cfg, _ = config_from_args(args, args.resume)
     tune_cpu_allocator()
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)

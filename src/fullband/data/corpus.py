@@ -1,17 +1,18 @@
 """Training and evaluation text: documents, tokenizer, packing, splits and a resumable data order.
 
 Owns
-* where documents come from: the embedded corpus (39 works of Shakespeare shipped inside the package, one work
-  = one document), a text file, a folder of text files, a jsonl file with a ``text`` field, or a local
-  Hugging Face ``datasets`` directory (``save_to_disk`` output);
+* the embedded corpus (39 works of Shakespeare shipped inside the package, one work = one document) and
+  :func:`load_documents` (it, or any source :mod:`fullband.data.sources` reads: text files and folders, jsonl
+  (also .gz / .zst), parquet, local ``datasets`` directories), all in memory;
 * the train / validation split, by whole documents and deterministic for a seed;
 * the tokenizer: a local HF tokenizer directory, or a byte-level BPE trained with ``tokenizers`` on the training
   documents (``<|pad|>`` = 0, ``<|bos|>`` = 1, ``<|eos|>`` = 2; encoding a text prepends BOS, so a prompt starts
   like a document did in training);
 * packing: every document becomes ``BOS text EOS``, the stream is cut into fixed-length rows (so a BOS marks
   each document start inside a row);
-* :func:`batch_rows`: which rows make global batch number ``step`` (a seeded permutation per epoch), so a run
-  resumed at step s reads exactly what an uninterrupted run reads.
+* :class:`Corpus`: the in-memory rows a run trains on (its data order: :func:`fullband.data.order.batch_rows`,
+  re-exported here). Prepared data of any size (``fullband data prepare``) is read lazily by
+  :mod:`fullband.data.shards` instead.
 """
 
 from __future__ import annotations
@@ -28,16 +29,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ..utils.io import iter_jsonl_objects
+from .order import batch_rows  # noqa: F401  (re-exported: the data order of a Corpus)
+from .sources import TEXT_SUFFIXES, Document, iter_documents, list_sources  # noqa: F401  (re-exported)
 
 EMBEDDED = "shakespeare"
-TEXT_SUFFIXES = (".txt", ".md", ".text")
-
-
-@dataclass(frozen=True)
-class Document:
-    name: str
-    text: str
 
 
 # ----------------------------------------------------------------------------------------------- sources
@@ -50,60 +45,17 @@ def embedded_corpus() -> list[Document]:
         return [Document(d["name"], d["text"]) for d in map(json.loads, f)]
 
 
-def _read_jsonl(path: str) -> list[Document]:
-    docs = []
-    expected = "an object with a string 'text' field"
-    for n, record in iter_jsonl_objects(path, expected):
-        if not isinstance(record.get("text"), str):
-            raise ValueError(f"{path}:{n}: each line must be {expected}")
-        docs.append(Document(str(record.get("name", record.get("id", f"{os.path.basename(path)}:{n}"))),
-                             record["text"]))
-    return docs
-
-
-def _read_hf_dataset(path: str) -> list[Document]:
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError(f"{path} looks like a Hugging Face datasets directory; `pip install datasets` to read it") from None
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    if "text" not in ds.column_names:
-        raise ValueError(f"dataset at {path} has no 'text' column (columns: {ds.column_names})")
-    return [Document(f"{os.path.basename(path)}:{i}", t) for i, t in enumerate(ds["text"])]
-
-
 def load_documents(source: str | None = None) -> list[Document]:
-    """Documents from ``source`` (``None`` or ``"shakespeare"``: the embedded corpus). Empty documents are dropped."""
+    """Documents from ``source`` (``None`` or ``"shakespeare"``: the embedded corpus; else any source of
+    :mod:`fullband.data.sources`), all in memory. Empty documents are dropped."""
     if source is None or source == EMBEDDED:
-        docs = embedded_corpus()
-    elif os.path.isdir(source):
-        if os.path.exists(os.path.join(source, "dataset_info.json")) or os.path.exists(os.path.join(source, "dataset_dict.json")):
-            docs = _read_hf_dataset(source)
-        else:
-            docs = []
-            for root, dirs, files in os.walk(source):
-                dirs.sort()
-                for name in sorted(files):
-                    full = os.path.join(root, name)
-                    if name.endswith(".jsonl"):
-                        docs.extend(_read_jsonl(full))
-                    elif name.endswith(TEXT_SUFFIXES):
-                        with open(full, encoding="utf-8", errors="replace") as f:
-                            docs.append(Document(os.path.relpath(full, source), f.read()))
-            if not docs:
-                raise ValueError(f"folder {source!r} holds no .txt/.md/.jsonl files")
-    elif os.path.isfile(source):
-        if source.endswith(".jsonl"):
-            docs = _read_jsonl(source)
-        else:
-            with open(source, encoding="utf-8", errors="replace") as f:
-                docs = [Document(os.path.basename(source), f.read())]
+        docs = [d for d in embedded_corpus() if d.text.strip()]
     else:
-        raise FileNotFoundError(f"data source {source!r} does not exist (give a text file, folder, .jsonl file, "
-                                "datasets directory, or 'shakespeare' for the embedded corpus)")
-    docs = [d for d in docs if d.text.strip()]
+        try:
+            docs = list(iter_documents(list_sources(source)))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"data source {source!r} does not exist (give a text file, folder, .jsonl file, "
+                                    "datasets directory, or 'shakespeare' for the embedded corpus)") from None
     if not docs:
         raise ValueError(f"data source {source!r} holds no non-empty documents")
     return docs
@@ -183,20 +135,6 @@ def pack(token_lists: list[list[int]], seq_len: int) -> torch.Tensor:
     return stream[: n * seq_len].view(n, seq_len)
 
 
-def batch_rows(step: int, batch_size: int, num_rows: int, seed: int = 0) -> torch.Tensor:
-    """Row indices of global batch ``step``: epochs of seeded permutations, read in order."""
-    if num_rows < 1:
-        raise ValueError("no training rows")
-    perms: dict[int, torch.Tensor] = {}
-    rows = []
-    for pos in range(step * batch_size, (step + 1) * batch_size):
-        epoch, i = divmod(pos, num_rows)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        rows.append(int(perms[epoch][i]))
-    return torch.tensor(rows, dtype=torch.long)
-
-
 @dataclass
 class Corpus:
     """Tokenized, packed train / validation rows and the tokenizer that made them."""
@@ -206,6 +144,7 @@ class Corpus:
     val_rows: torch.Tensor
     train_docs: list[str]
     val_docs: list[str]
+    order: str = "randperm"  # the index map of fullband.data.order.batch_rows
 
     @property
     def train_tokens(self) -> int:

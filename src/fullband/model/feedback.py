@@ -4,7 +4,9 @@ Owns
 * the fusion of the previous position's final hidden state ``h_{t-1}`` with the token embedding ``e_t``
   (``glu`` = the paper's Eq. 4; ``residual`` = ``e_t + glu`` with the output gain at 0, the token-preserving
   default; the ``concat`` and ``add`` ablations), all with one call signature
-  ``fusion(prev_hidden, token_embeds) -> inputs_embeds``, and the per-vocabulary gate table used at inference;
+  ``fusion(prev_hidden, token_embeds) -> inputs_embeds``, and the per-vocabulary gate table (:func:`gate_table`, a
+  snapshot of the live weights; who may hold one, for how long: :func:`gate_table_pays` and the model's
+  ``frozen_gate_table()``);
 * the feedback mask (where a position has a previous state: never at position 0, a document start / BOS,
   or padding, nor right after padding), per-document prefix mixing, and document segmentation;
 * shifting a pass's hidden states right by one and the training-time jitter on the fed-back state;
@@ -21,7 +23,7 @@ init; training re-measures it when feedback switches on); ``residual`` starts as
 from __future__ import annotations
 
 import math
-import weakref
+import warnings
 
 import torch
 from torch import nn
@@ -216,41 +218,37 @@ def prefix_mixing_mask(doc_starts: torch.Tensor, probability: float,
 
 # ------------------------------------------------------------------------------------------------ gate table
 
-_GATE_TABLES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
-
-
-def _weight_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
-
 
 def gate_table(fusion: GLUFusion, embedding: nn.Embedding, chunk: int = 4096) -> torch.Tensor:
-    """``sigmoid(W_G norm(E))`` for every vocabulary entry, ``[vocab, embed_dim]``, computed once and cached.
+    """``sigmoid(W_G norm(E))`` for every vocabulary entry, ``[vocab, embed_dim]``, from the weights as they are now.
 
-    The cache is keyed on the identity, version counter, dtype and device of ``W_G`` and of the embedding matrix:
-    any in-place update (an optimizer step, ``load_state_dict``) or a move (``.to()``) rebuilds it on the next call;
-    :func:`clear_gate_table` drops it explicitly. Memory: one more ``vocab x embed_dim`` matrix in the weights'
-    dtype (the size of the embedding matrix). Built in chunks, under ``no_grad``.
+    Nothing is cached here: the table is a snapshot that is only right while ``W_G`` and the embedding matrix do
+    not change, so its owner must drop it before they can (see
+    :meth:`fullband.model.modeling.FullBandwidthForCausalLM.frozen_gate_table`, whose lifetime is one call).
+    Cost: ``vocab x embed_dim^2`` multiply-adds; memory: one more ``vocab x embed_dim`` matrix in the weights'
+    dtype. Built in chunks, under ``no_grad``.
     """
-    key = (_weight_key(fusion.gate_proj.weight), _weight_key(embedding.weight))
-    hit = _GATE_TABLES.get(fusion)
-    if hit is not None and hit[0] == key:
-        return hit[1]
     weight = embedding.weight
     with torch.no_grad():
         table = torch.empty(weight.shape[0], fusion.gate_proj.out_features, dtype=fusion.gate_proj.weight.dtype,
                             device=weight.device)
         for start in range(0, weight.shape[0], chunk):
             table[start:start + chunk] = fusion.gate(weight[start:start + chunk])
-    _GATE_TABLES[fusion] = (key, table)
     return table
 
 
+def gate_table_pays(vocab_size: int, fused_tokens: int) -> bool:
+    """Whether one call that fuses ``fused_tokens`` tokens should build a gate table: the table costs
+    ``vocab x d^2`` multiply-adds once and saves ``d^2`` per fused token (the gate's matmul), so it pays from
+    ``vocab`` tokens on."""
+    return fused_tokens >= vocab_size
+
+
 def clear_gate_table(model=None) -> None:
-    """Drop the cached gate table of ``model`` (of every model when ``None``)."""
-    if model is None:
-        _GATE_TABLES.clear()
-    else:
-        _GATE_TABLES.pop(getattr(model, "feedback", model), None)
+    """Deprecated no-op: there is no gate table that outlives a call any more (the gate is computed from the live
+    weights, or looked up in a table scoped to one call), so there is nothing to clear."""
+    warnings.warn("fullband.model.feedback.clear_gate_table is a no-op: no gate table outlives a call any more",
+                  DeprecationWarning, stacklevel=2)
 
 
 # ----------------------------------------------------------------------------------------------- positions

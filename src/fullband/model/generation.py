@@ -21,9 +21,12 @@ Owns
   that uses a cache and no assistant: greedy, sampling, ``num_return_sequences``, beam search, EOS / stop strings,
   streamers. (Assisted / prompt-lookup decoding, ``use_cache=False``, static or chunked-prefill caches and
   continuing from a filled cache are refused with a ``ValueError`` in the feedback modes.)
-* the zero-cost gate (:func:`gate_table`): at inference ``sigmoid(W_G norm(e_t))`` depends on the token alone, so
-  it is computed once per vocabulary entry and looked up; per token only ``W_U h_{t-1}``, a multiply and a norm
-  remain;
+* when a decode call looks the gate up: ``sigmoid(W_G norm(e_t))`` depends on the token alone, so a call that
+  fuses at least ``vocab`` tokens (batch x new tokens, plus the prompt in ``fused`` / ``exact``) builds a
+  per-vocabulary table for its own duration (:meth:`~fullband.model.modeling.FullBandwidthForCausalLM.gate_table_scope`)
+  and per token only ``W_U h_{t-1}``, a multiply and a norm remain; a smaller call computes the gate per token
+  (``d^2`` more multiply-adds, cheaper than building the table). No table outlives the call, so training between
+  calls can never leave one stale;
 * :func:`generate`, a lean decode loop for throughput (a preallocated static cache where the backbone supports it
   on an accelerator, nothing per step that need not be there) with the same semantics, used by
   ``fullband generate`` and ``fullband bench decode``; and :func:`score`, the teacher-forced log-probabilities of
@@ -66,6 +69,7 @@ decoding pays off once training feeds back states of fused positions (K=3 above:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -112,6 +116,33 @@ def _check_length(model, prompt_length: int, max_new_tokens: int) -> None:
     if limit is not None and prompt_length + max_new_tokens > limit:
         raise ValueError(f"a prompt of {prompt_length} tokens plus up to {max_new_tokens} new tokens exceeds the "
                          f"backbone's {limit} positions; shorten the prompt or lower max_new_tokens")
+
+
+def fused_tokens(mode: str, batch: int, prompt_len: int, new_tokens: int, prefill_passes: int = 1) -> int:
+    """How many tokens one decode call fuses: every new token in a feedback mode, plus the prompt once per prefill
+    pass in ``fused`` and once in ``exact``."""
+    if mode == "standard":
+        return 0
+    prompt = {"fused": prefill_passes, "exact": 1}.get(mode, 0) * prompt_len
+    return batch * (new_tokens + prompt)
+
+
+def _hf_fused_tokens(model, args, kwargs, mode: str, prefill_passes: int) -> int:
+    """An estimate of :func:`fused_tokens` for ``model.generate(*args, **kwargs)`` (rows x beams or returned
+    sequences; ``max_new_tokens`` or ``max_length``); it only decides whether a gate table pays."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return 0
+    config = kwargs.get("generation_config") or model.generation_config
+
+    def value(name):
+        return kwargs.get(name, getattr(config, name, None))
+
+    rows = ids.shape[0] * max(value("num_beams") or 1, value("num_return_sequences") or 1)
+    new = value("max_new_tokens")
+    if new is None:
+        new = max((value("max_length") or 0) - ids.shape[1], 0)
+    return fused_tokens(mode, rows, ids.shape[1], new, prefill_passes)
 
 
 # ------------------------------------------------------------------------------------------------ prefill (HF path)
@@ -163,6 +194,8 @@ class FeedbackGenerationMixin(GenerationMixin):
                                  "static cache")
             if kwargs.get("prefill_chunk_size") is not None:
                 raise ValueError(f"chunked prefill is not supported in decode mode {mode!r}")
+            with self.gate_table_scope(_hf_fused_tokens(self, args, kwargs, mode, prefill_passes)):
+                return super().generate(*args, feedback_mode=mode, prefill_passes=prefill_passes, **kwargs)
         return super().generate(*args, feedback_mode=mode, prefill_passes=prefill_passes, **kwargs)
 
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
@@ -277,8 +310,8 @@ class _Runner:
         return out.logits[:, -1], out.hidden_states[-1][:, -1]
 
     def fuse(self, state: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """Input of tokens ``[B]`` that follow ``state`` ``[B, d]``: fused (the model's own fusion, through its gate
-        table), except at document starts."""
+        """Input of tokens ``[B]`` that follow ``state`` ``[B, d]``: fused (the model's own fusion), except at
+        document starts."""
         fused = self.model.fuse(state, tokens, embeds).to(embeds.dtype)
         if self.doc_start is None:
             return fused
@@ -343,6 +376,13 @@ class GenerationResult:
         return self.new_tokens.shape[1]
 
 
+def _gate_scope(model, mode: str, batch: int, prompt_len: int, new_tokens: int, prefill_passes: int):
+    """The gate-table scope of one lean-loop call (:func:`fused_tokens` decides; plain models have none)."""
+    if not has_feedback(model):
+        return contextlib.nullcontext()
+    return model.gate_table_scope(fused_tokens(mode, batch, prompt_len, new_tokens, prefill_passes))
+
+
 def _make_cache(runner: _Runner, implementation: str, max_len: int):
     """The lean loop's KV cache. ``auto``: a preallocated static cache where the backbone supports one and the
     model is on an accelerator (no reallocation per step; what torch.compile / CUDA graphs need); a dynamic one on
@@ -362,7 +402,17 @@ def _make_cache(runner: _Runner, implementation: str, max_len: int):
 
 
 @torch.inference_mode()
-def _run(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_passes, do_sample, temperature,
+def _run(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_passes, **kwargs):
+    """:func:`_decode` inside the call's gate-table scope (a table only where it pays: :func:`fused_tokens`)."""
+    mode = resolve_mode(model, mode)
+    rows, prompt = input_ids.shape if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else (0, 0)
+    new = max_new_tokens if isinstance(max_new_tokens, int) else 0
+    with _gate_scope(model, mode, rows, prompt, new, prefill_passes if isinstance(prefill_passes, int) else 1):
+        return _decode(model, input_ids, attention_mask, mode=mode, max_new_tokens=max_new_tokens,
+                       prefill_passes=prefill_passes, **kwargs)
+
+
+def _decode(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_passes, do_sample, temperature,
          top_k, top_p, generator, eos_token_id, pad_token_id, stopping, streamer, cache_implementation,
          output_logits, forced=None):
     mode = resolve_mode(model, mode)
@@ -493,6 +543,14 @@ def interleaved_decode_times(model, input_ids: torch.LongTensor, modes: Sequence
     B, P = input_ids.shape
     _check_length(model, P, steps + 1)
     positions = torch.arange(P + steps + 1, device=input_ids.device).expand(B, -1)
+    # one table scope for the lanes, as large as the largest lane's call would open on its own
+    mode = max(modes, key=lambda m: fused_tokens(resolve_mode(model, m), B, P, steps, prefill_passes))
+    with _gate_scope(model, resolve_mode(model, mode), B, P, steps, prefill_passes):
+        return _interleaved(model, input_ids, modes, steps, cache_implementation, clock, prefill_passes, positions)
+
+
+def _interleaved(model, input_ids, modes, steps, cache_implementation, clock, prefill_passes, positions):
+    P = input_ids.shape[1]
     lanes = []
     for mode in modes:
         runner = _Runner(model, resolve_mode(model, mode), prefill_passes)

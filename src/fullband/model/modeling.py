@@ -9,6 +9,7 @@ against. The backbone is used as it is: architecture, KV cache and LM head are u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import fields
@@ -26,6 +27,7 @@ from .feedback import (
     build_fusion,
     fuse_where,
     gate_table,
+    gate_table_pays,
     jitter,
     max_positions,
     position_ids_from_mask,
@@ -178,14 +180,37 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
     def fuse(self, state: torch.Tensor, input_ids: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """``fusion(state, e)`` for tokens ``input_ids`` with embeddings ``token_embeds`` (any leading shape).
 
-        At inference (no gradient, eval mode) the GLU-family gate ``sigmoid(W_G norm(e))``, a function of the token
-        alone, is looked up in the precomputed per-vocabulary table (:func:`fullband.model.feedback.gate_table`), as
-        HF ``generate()``, the lean decode loop, evaluation and the recurrence all run it; in training it is
-        computed."""
-        if not self.training and not torch.is_grad_enabled() and isinstance(self.feedback, GLUFusion):
-            table = gate_table(self.feedback, self.get_input_embeddings())
+        The GLU-family gate ``sigmoid(W_G norm(e))`` is computed from the live weights, so it is right whatever
+        changed them (any optimizer, fused or not, ``p.data.copy_``, ``load_state_dict``, ``.to()``, resizing);
+        only inside :meth:`frozen_gate_table` (eval mode, no gradient) is it looked up in that scope's table."""
+        table = self._scoped_gate_table
+        if table is not None and not self.training and not torch.is_grad_enabled():
             return self.feedback.fuse_gated(state.to(token_embeds.dtype), table[input_ids], token_embeds)
         return self.feedback(state, token_embeds)
+
+    _scoped_gate_table: torch.Tensor | None = None  # set only inside frozen_gate_table()
+
+    @contextlib.contextmanager
+    def frozen_gate_table(self):
+        """Within this scope the gate is looked up in a per-vocabulary table (:func:`fullband.model.feedback.gate_table`)
+        built on entry from the weights as they are and dropped on exit; open it only around code that does not
+        change ``W_G`` or the embeddings (one ``generate()`` call, one evaluation). It pays when the scope fuses at
+        least ``vocab`` tokens (:func:`fullband.model.feedback.gate_table_pays`; :meth:`gate_table_scope` decides
+        that). Nested scopes reuse the outer table. A no-op for fusions without a token-only gate."""
+        if self._scoped_gate_table is not None or not isinstance(self.feedback, GLUFusion):
+            yield
+            return
+        self._scoped_gate_table = gate_table(self.feedback, self.get_input_embeddings())
+        try:
+            yield
+        finally:
+            self._scoped_gate_table = None
+
+    def gate_table_scope(self, fused_tokens: int):
+        """:meth:`frozen_gate_table` when one call that fuses ``fused_tokens`` tokens makes a table pay, else a
+        scope that changes nothing (the gate computed per token)."""
+        vocab = self.get_input_embeddings().num_embeddings
+        return self.frozen_gate_table() if gate_table_pays(vocab, fused_tokens) else contextlib.nullcontext()
 
     def _backbone_pass(self, inputs_embeds, attention_mask, position_ids, cache=None, use_cache=False,
                        logits_to_keep=0, output_hidden_states=False, **kwargs):
@@ -204,7 +229,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 prev_hidden: torch.Tensor | None = None, cache: Cache | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0,
                 num_items_in_batch: torch.Tensor | None = None, feedback_weight: float | None = None,
-                state_hook: StateHook | None = None, **kwargs) -> FullBandwidthOutput:
+                state_hook: StateHook | None = None, grad_passes: int | None = None,
+                pass_tol: float | None = None, **kwargs) -> FullBandwidthOutput:
         """K-pass teacher-forced forward: the one place the K passes are written.
 
         Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
@@ -215,6 +241,17 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         when ``num_passes > 1``. ``feedback_weight`` overrides ``config.feedback_weight`` (λ) for this call (the
         training loop ramps it at the feedback switch-on). ``state_hook(k, state)`` (analysis interventions) may
         replace the shifted state ``[B, T, d]`` fed to pass ``k + 1`` (k = 1..K-1) before it is fused.
+
+        Long recurrences (K up to the row length; K = T is the exact recurrence on T positions, pass k being exact
+        at positions < k): ``grad_passes`` = N runs passes 1..K-N without gradient (their losses are reported,
+        detached, so they stay in ``loss``'s value but not in its backward) and only the last N with gradient,
+        the first of them fed a state that carries none (truncated backpropagation through the passes; ``None``:
+        all K). ``pass_tol`` stops the passes early once the fed-back states stop changing: after pass k >= 2,
+        when ``max|h_k - h_{k-1}| / max|h_{k-1}| < pass_tol`` (over the whole batch), the no-gradient passes
+        still to come are skipped (the last N gradient passes always run, from the converged state) or, when
+        every pass has gradient, the passes end there. Each skipped pass is reported with the loss of the pass the
+        passes stopped at (the fixed point's), so ``pass_losses`` always has K entries; ``passes_run`` and
+        ``pass_changes`` (the relative change after each pass from the second) say what ran.
         """
         kwargs.pop("return_dict", None)
         kwargs.pop("output_hidden_states", None)
@@ -233,10 +270,23 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         if labels is not None and attention_mask is not None:
             labels = labels.masked_fill(~attention_mask[:, -T:].bool(), -100)
 
+        if grad_passes is not None and (not isinstance(grad_passes, int) or isinstance(grad_passes, bool)
+                                        or grad_passes < 1):
+            raise ValueError(f"grad_passes must be an integer >= 1 (or None: all passes), got {grad_passes!r}")
+        if pass_tol is not None and not pass_tol >= 0:
+            raise ValueError(f"pass_tol must be >= 0 (or None: no early stop), got {pass_tol!r}")
+        if pass_tol is not None and num_passes > 1 and (cache is not None or use_cache):
+            raise ValueError("pass_tol (early stop) cannot fill a cache: the last pass is not known in advance")
+        # passes 0..first_grad-1 run without gradient (0-based); the last n_grad with it
+        n_grad = num_passes if grad_passes is None else min(grad_passes, num_passes)
+        first_grad = num_passes - n_grad
+        grad_on = torch.is_grad_enabled()
+
         token_embeds = self.get_input_embeddings()(input_ids)
         loss_kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None else {}
-        pass_losses, hidden, logits, out_cache = [], None, None, None
-        for k in range(num_passes):
+        pass_losses, hidden, logits, out_cache, changes, ran_grad = [], None, None, None, [], 0
+        k = 0
+        while k < num_passes:
             last = k == num_passes - 1
             if k == 0:
                 state = None
@@ -252,28 +302,47 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 if state_hook is not None:
                     state = state_hook(k, state)
                 pass_mask = feedback_mask
-            if state is None:
-                inputs = token_embeds
-            else:
-                if self.training:
-                    state = jitter(state, self.config.jitter)
-                if self.config.detach_state:
-                    state = state.detach()
-                inputs = fuse_where(pass_mask, self.fuse(state, input_ids, token_embeds), token_embeds)
-            keep = logits_to_keep if (last or labels is not None) else 1
-            logits, hidden, step_cache, _ = self._backbone_pass(inputs, attention_mask, position_ids,
-                                                                cache=cache if last else None,
-                                                                use_cache=bool(use_cache) and last,
-                                                                logits_to_keep=keep, **kwargs)
+            with torch.set_grad_enabled(grad_on and k >= first_grad):
+                if state is None:
+                    inputs = token_embeds
+                else:
+                    if self.training:
+                        state = jitter(state, self.config.jitter)
+                    if self.config.detach_state:
+                        state = state.detach()
+                    inputs = fuse_where(pass_mask, self.fuse(state, input_ids, token_embeds), token_embeds)
+                keep = logits_to_keep if (last or labels is not None or pass_tol is not None) else 1
+                previous = hidden
+                logits, hidden, step_cache, _ = self._backbone_pass(inputs, attention_mask, position_ids,
+                                                                    cache=cache if last else None,
+                                                                    use_cache=bool(use_cache) and last,
+                                                                    logits_to_keep=keep, **kwargs)
+                if labels is not None:
+                    pass_loss = self._pass_loss(logits, labels, **loss_kwargs)
+                    pass_losses.append(pass_loss if k >= first_grad else pass_loss.detach())
             if last:
                 out_cache = step_cache
-            if labels is not None:
-                pass_losses.append(self._pass_loss(logits, labels, **loss_kwargs))
+            ran_grad += k >= first_grad
+            nxt = k + 1
+            if pass_tol is not None and previous is not None:
+                change = float((hidden.detach() - previous.detach()).abs().max()
+                               / previous.detach().abs().max().clamp_min(1e-12))
+                changes.append(change)
+                if change < pass_tol and k < first_grad:
+                    nxt = first_grad  # skip the rest of the passes without gradient
+                elif change < pass_tol and first_grad == 0:
+                    nxt = num_passes  # every pass has gradient: the passes end here
+            if labels is not None:  # skipped passes: the loss of the (converged) pass the passes stopped at
+                pass_losses += [pass_losses[-1]] * (min(nxt, num_passes) - k - 1)
+            k = nxt
         weight = self.config.feedback_weight if feedback_weight is None else feedback_weight
         loss = combine_pass_losses(pass_losses, weight) if pass_losses else None
+        passes_run = num_passes if pass_tol is None else len(changes) + 1
         return FullBandwidthOutput(
             loss=loss, logits=logits, last_hidden_state=hidden, cache=out_cache,
             pass_losses=torch.stack(pass_losses).detach() if pass_losses else None,
+            passes_run=passes_run, grad_passes_run=ran_grad if grad_on else 0,
+            pass_changes=changes if pass_tol is not None else None,
         )
 
     # ------------------------------------------------------------------ exact reference

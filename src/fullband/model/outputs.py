@@ -26,3 +26,6 @@ class FullBandwidthOutput(ModelOutput):
     cache: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     inputs_embeds: torch.Tensor | None = None
+    passes_run: int | None = None  # passes the K-pass forward ran (fewer than K after an early stop)
+    grad_passes_run: int | None = None  # of them, the passes run with gradient (grad_passes)
+    pass_changes: list[float] | None = None  # with an early-stop tolerance: max|h_k - h_{k-1}| / max|h_{k-1}|

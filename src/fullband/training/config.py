@@ -57,7 +57,7 @@ class TrainConfig:
     keep_checkpoints: int = config_field(1, "how many checkpoints to keep", traj=False, group="run")
     stop_after: int | None = config_field(None, "stop cleanly after this step, writing a checkpoint (continue later with --resume; not remembered by it)", traj=False, persist=False, group="run")
     # ---- data
-    data: str = config_field("shakespeare", "training text: 'shakespeare' (embedded corpus), a text file, a folder, a .jsonl with a 'text' field, or a datasets directory", group="data")
+    data: str = config_field("shakespeare", "training text: 'shakespeare' (embedded corpus), a text file, a folder, a .jsonl with a 'text' field, a datasets directory, or a directory of `fullband data prepare` (read lazily; its tokenizer and split apply)", group="data")
     tokenizer: str | None = config_field(None, "local HF tokenizer directory (default: train a byte-level BPE on the training documents; with --init-from, that checkpoint's tokenizer)", group="data")
     vocab_size: int = config_field(4096, "vocabulary size of a BPE trained here", group="data")
     seq_len: int = config_field(256, "tokens per packed row", group="data")
@@ -94,6 +94,10 @@ class TrainConfig:
     prefix_mix: float = config_field(0.25, "probability that a document keeps a random plain prefix on feedback steps", branch=True, group="feedback")
     feedback_ramp: float = config_field(0.2, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight", branch=True, group="feedback")
     fusion_only: float = config_field(0.0, "fraction of the feedback phase, at its start, in which only the fusion trains (backbone frozen)", branch=True, group="feedback")
+    # ---- long recurrences (K up to the row length: K = seq_len is the exact recurrence)
+    grad_passes: int = config_field(0, "truncated gradients: passes 1..K-N run without gradient, the last N backpropagate (0: all K)", branch=True, group="feedback")
+    pass_tol: float = config_field(0.0, "stop the passes early once max|h_k - h_{k-1}| / max|h_{k-1}| < this (the gradient passes still run; 0: off)", branch=True, group="feedback")
+    pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback")
     # ---- stability guard
     spike_factor: float = config_field(3.0, "skip a step whose pass-1 loss exceeds this times its running average (0: off)", group="guard")
     max_bad_steps: int = config_field(5, "stop after this many skipped steps in a row", traj=False, group="guard")
@@ -123,7 +127,12 @@ class TrainConfig:
         # --num-passes 1 is a plain baseline: no deep steps either
         return FeedbackSchedule(start_fraction=self.feedback_start, num_passes=self.num_passes,
                                 deep_passes=self.deep_passes,
-                                deep_fraction=self.deep_fraction if self.num_passes > 1 else 0.0)
+                                deep_fraction=self.deep_fraction if self.num_passes > 1 else 0.0,
+                                curriculum=self.pass_curriculum)
+
+    def pass_options(self) -> dict:
+        """The K-pass forward's long-recurrence arguments of a training step (``grad_passes``, ``pass_tol``)."""
+        return {"grad_passes": self.grad_passes or None, "pass_tol": self.pass_tol or None}
 
     def switch_on(self) -> SwitchOn:
         return SwitchOn(feedback_ramp=self.feedback_ramp, fusion_warmup=self.fusion_warmup, fusion_only=self.fusion_only)
@@ -193,7 +202,10 @@ class TrainConfig:
         for name in ("fusion_warmup", "feedback_ramp", "fusion_only"):
             v = getattr(self, name)
             need(0.0 <= v <= 1.0, f"--{flag_name(name)} must be in [0, 1], got {v}")
-        self.schedule()  # start fraction, passes, deep fraction
+        need(self.grad_passes >= 0, f"--grad-passes must be >= 0 (0: all passes), got {self.grad_passes}")
+        need(self.pass_tol >= 0, f"--pass-tol must be >= 0 (0: off), got {self.pass_tol}")
+        need(0.0 <= self.pass_curriculum <= 1.0, f"--pass-curriculum must be in [0, 1], got {self.pass_curriculum}")
+        self.schedule()  # start fraction, passes, deep fraction, curriculum
         need(self.spike_factor == 0 or self.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1, got {self.spike_factor}")
         need(self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")

@@ -37,6 +37,7 @@ from . import distributed as D
 from .checkpoint import (
     METRICS,
     RUN_CONFIG,
+    SUMMARY,
     TOKENIZER_DIR,
     clear_outputs,
     load_checkpoint,
@@ -102,15 +103,21 @@ class Recipe:
 
 
 def forward_backward(model, micro_batches: list[dict], num_passes: int, autocast, loss_weight: float = 1.0,
-                     nan: bool = False, feedback_weight: float | None = None):
+                     nan: bool = False, feedback_weight: float | None = None, passes_run: list | None = None,
+                     **pass_options):
     """Forward + backward over micro-batches (each a dict of model arguments); each loss is multiplied by
     ``loss_weight`` before backward. Returns the summed ``(loss, pass_losses)`` tensors, unweighted.
-    ``feedback_weight`` overrides the model's λ for these calls; ``nan`` poisons the loss (a test hook)."""
+    ``feedback_weight`` overrides the model's λ for these calls; ``pass_options`` (``grad_passes``, ``pass_tol``)
+    go to the K-pass forward, and the passes each micro-batch ran are appended to ``passes_run`` when given;
+    ``nan`` poisons the loss (a test hook)."""
     n = len(micro_batches)
     loss_sum, pass_sum = None, None
+    pass_options = {k: v for k, v in pass_options.items() if v is not None}
     for i, kwargs in enumerate(micro_batches):
         with D.no_sync(model, skip=i < n - 1), autocast():
-            out = model(**kwargs, num_passes=num_passes, feedback_weight=feedback_weight)
+            out = model(**kwargs, num_passes=num_passes, feedback_weight=feedback_weight, **pass_options)
+            if passes_run is not None:
+                passes_run.append((out.passes_run or num_passes, out.grad_passes_run or num_passes))
             loss = out.loss
             if nan:
                 loss = loss * float("nan")
@@ -253,8 +260,10 @@ class Trainer:
         frozen = self.switch_on.backbone_frozen(step, self.fb_start, cfg.steps)
         weight = cfg.feedback_weight * self.switch_on.feedback_weight_factor(step, self.fb_start, cfg.steps)
         batch = self.recipe.batch(step, K, self.prefix_gen, env)
+        ran = []
         loss_sum, pass_sum = forward_backward(model, batch.micro, K, self.autocast, batch.loss_weight,
-                                              nan=(step + 1) in cfg.debug_nan_steps, feedback_weight=weight)
+                                              nan=(step + 1) in cfg.debug_nan_steps, feedback_weight=weight,
+                                              passes_run=ran, **(cfg.pass_options() if K > 1 else {}))
         if K == 1:
             for p in self.fusion_params:  # unused on a plain step: no update, no weight decay, as single-process
                 p.grad = None
@@ -290,6 +299,9 @@ class Trainer:
                "step_time": dt, "tokens_per_s": batch.tokens / dt, "elapsed": self.elapsed()}
         if fusion_norm is not None:
             rec["fusion_grad_norm"] = finite_or_none(fusion_norm)
+        if K > 1 and (cfg.grad_passes or cfg.pass_tol):  # what the long-recurrence options ran (FLOP counts)
+            rec["passes_run"] = sum(r for r, _ in ran) / len(ran)
+            rec["grad_passes_run"] = sum(g for _, g in ran) / len(ran)
         if frozen:
             rec["backbone_frozen"] = True
         if reason is not None:
@@ -343,7 +355,7 @@ class Trainer:
             self.finish(summary)
         self.recipe.summarize(summary)
         if env.is_main and status == "done":
-            atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+            atomic_write_json(os.path.join(cfg.out, SUMMARY), summary)
         return summary
 
     def finish(self, summary: dict) -> None:

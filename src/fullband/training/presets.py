@@ -10,9 +10,11 @@ preset                  d       layers  heads  kv heads    MLP width     params
 ``tiny``                192     4       6      6           512           ≈3.3M
 ``small``               512     6       8      8           1376          ≈23M
 ``gpt2-small``          768     12      12     12          2048          ≈88M (≈124M at 50k vocab)
+``llama-1b``            2048    16      32     8           8192          ≈0.98B (≈1.24B at 128k vocab)
 ======================  ======  ======  =====  ==========  ============  =========
 
-``tiny`` and ``small`` have an untied LM head; ``gpt2-small`` ties it to the embeddings, as GPT-2 does.
+``tiny`` and ``small`` have an untied LM head; ``gpt2-small`` ties it to the embeddings, as GPT-2 does, and so does
+``llama-1b`` (Llama 3.2 1B's shape, the paper's scale: for GPU runs and ``--dry-run`` plans, not this CPU).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(192, 4, 6, 6, 512, False, lr=3e-3, description="≈3M parameters; seconds per step on a laptop CPU"),
     "small": Preset(512, 6, 8, 8, 1376, False, lr=1.5e-3, description="≈25M parameters"),
     "gpt2-small": Preset(768, 12, 12, 12, 2048, True, lr=6e-4, description="GPT-2 small's shape, ≈125M at a 50k vocabulary"),
+    "llama-1b": Preset(2048, 16, 32, 8, 8192, True, lr=3e-4, description="Llama 3.2 1B's shape, ≈1.24B at a 128k vocabulary"),
 }
 
 

@@ -4,21 +4,27 @@ Owns what pre-training adds to :mod:`fullband.training.engine`:
 
 * data: :func:`fullband.data.corpus.build_corpus` (embedded corpus by default; text files / folders, jsonl,
   ``datasets`` directories), a BPE trained on the training documents or a local tokenizer, packed rows, split by
-  document; batch ``step`` is a seeded permutation's slice (:func:`fullband.data.corpus.batch_rows`, shifted by
-  ``--data-offset``), with per-document prefix mixing on feedback steps;
+  document; or a directory of ``fullband data prepare``, memory-mapped (:mod:`fullband.data.shards`); batch
+  ``step`` is a seeded permutation's slice (:func:`fullband.data.order.batch_rows`, shifted by ``--data-offset``;
+  each rank reads only its rows), with per-document prefix mixing on feedback steps;
 * model: a Llama-style backbone from a size preset (:mod:`fullband.training.presets`), or ``--init-from DIR`` (a
   local HF causal LM, retrofitted; or a saved fullband model, continued). A fusion built here (not trained) is
   re-initialised when feedback switches on, at the scale the embeddings have by then;
 * validation: held-out loss (``standard``, and ``passes`` at K once feedback is on) on rows spread over the
   held-out documents (:func:`spread_rows`);
 * output: the final model (``save_pretrained``; a run that never used feedback is saved as its plain backbone)
-  and its tokenizer in ``OUT`` itself, loadable with ``AutoModelForCausalLM.from_pretrained(OUT)``.
+  and its tokenizer in ``OUT`` itself, loadable with ``AutoModelForCausalLM.from_pretrained(OUT)``; the summary
+  records what the run read and started from (:func:`run_inputs`), so an experiment reuses a finished run only
+  for the same data and the same initial model.
 
-:func:`train` runs it: ``train(TrainConfig(...))`` returns the run's summary.
+:func:`train` runs it: ``train(TrainConfig(...))`` returns the run's summary. :func:`run_differences` says whether
+a finished run in ``OUT`` is the one a config asks for (reused), another (kept unless overwritten:
+:func:`refuse_changed_runs`) or none.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -26,20 +32,35 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..data.corpus import batch_rows, build_corpus, load_tokenizer, special_ids
+from ..data.shards import is_prepared, open_prepared
 from ..eval.scoring import evaluate_loss
 from ..model.configuration import FullBandwidthConfig
 from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 from ..model.modeling import FullBandwidthForCausalLM, load_model
 from ..utils.io import atomic_save_pretrained, read_jsonl
-from .checkpoint import METRICS
-from .config import DEFAULT_FUSION, TrainConfig
+from .checkpoint import METRICS, RUN_CONFIG, SUMMARY, model_fingerprint
+from .config import DEFAULT_FUSION, TrainConfig, flag_name
 from .engine import Recipe, StepBatch, run
 from .presets import backbone_config
 
 
 def build_tokenizer_and_corpus(cfg: TrainConfig, tokenizer=None):
     """The :class:`fullband.data.corpus.Corpus` of ``cfg`` (tokenizer: given, ``--tokenizer``, the
-    ``--init-from`` checkpoint's, or a BPE trained on the training documents)."""
+    ``--init-from`` checkpoint's, or a BPE trained on the training documents); or, when ``--data`` is a directory
+    made by ``fullband data prepare``, its :class:`fullband.data.shards.PreparedCorpus` (read lazily; its own
+    tokenizer, split and packing: ``--vocab-size`` and ``--val-fraction`` do not apply, and a given tokenizer must
+    have the same vocabulary)."""
+    if is_prepared(cfg.data):
+        corpus = open_prepared(cfg.data, cfg.seq_len)
+        other = tokenizer
+        if other is None and (cfg.tokenizer or cfg.init_from):
+            path = cfg.tokenizer or cfg.init_from
+            if any(os.path.exists(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+                other = load_tokenizer(path)
+        if other is not None and other.get_vocab() != corpus.tokenizer.get_vocab():
+            raise ValueError(f"--data {cfg.data!r} was prepared with another tokenizer than the run's (--tokenizer / "
+                             "--init-from); prepare it with `fullband data prepare ... --tokenizer DIR`")
+        return corpus
     if tokenizer is None:
         path = cfg.tokenizer
         if path is None and cfg.init_from is not None:
@@ -85,6 +106,31 @@ def build_model(cfg: TrainConfig, tokenizer):
     return model.float()
 
 
+def rows_fingerprint(*tensors: torch.Tensor) -> str:
+    """A sha256 over the token ids (and shapes) of ``tensors``: the identity of rows trained or scored on."""
+    h = hashlib.sha256()
+    for rows in tensors:
+        t = rows.detach().to("cpu", torch.int64).contiguous()
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def data_fingerprint(corpus) -> str:
+    """The identity of what a run reads: :func:`rows_fingerprint` of the corpus's training and held-out rows (for
+    prepared data, its shards' sha256, recorded when they were written: no pass over the data)."""
+    if hasattr(corpus, "fingerprint"):
+        return corpus.fingerprint
+    return rows_fingerprint(corpus.train_rows, corpus.val_rows)
+
+
+def run_inputs(cfg: TrainConfig, corpus) -> dict:
+    """What a run depends on besides its options, recorded in its ``summary.json``: the data it read
+    (:func:`data_fingerprint`) and the model it started from (``--init-from``'s :func:`model_fingerprint`)."""
+    init = model_fingerprint(cfg.init_from) if cfg.init_from is not None else None
+    return {"data_sha256": data_fingerprint(corpus), "init_sha256": init}
+
+
 def fusion_was_trained(cfg: TrainConfig) -> bool:
     """Whether the run starts from a fullband checkpoint, whose fusion may already be trained."""
     if cfg.init_from is None:
@@ -109,7 +155,7 @@ def spread_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` rows spread evenly over ``rows`` (all when there are fewer): every held-out document gets its share,
     where the first ``n`` rows would all come from the first document."""
     if n >= rows.shape[0]:
-        return rows
+        return rows if isinstance(rows, torch.Tensor) else rows[:]  # lazily read rows: read them now
     return rows[torch.linspace(0, rows.shape[0] - 1, n).round().long()]
 
 
@@ -124,6 +170,7 @@ class PretrainRecipe(Recipe):
         if self.corpus is None:
             self.corpus = build_tokenizer_and_corpus(cfg, tokenizer)
         self.tokenizer = self.corpus.tokenizer
+        self.inputs = run_inputs(cfg, self.corpus)
         self.train_rows, self.val_rows = self.corpus.train_rows, self.corpus.val_rows
         if self.train_rows.shape[1] != cfg.seq_len:
             raise ValueError(f"the corpus has rows of {self.train_rows.shape[1]} tokens but --seq-len is {cfg.seq_len}")
@@ -149,11 +196,19 @@ class PretrainRecipe(Recipe):
         cfg = self.cfg
         per_rank = cfg.batch_size // env.world_size
         micro = per_rank // cfg.grad_accum
-        rows = self.train_rows[batch_rows(step + cfg.data_offset, cfg.batch_size, self.train_rows.shape[0], cfg.seed)]
-        mask = feedback_mask_for(rows, self.doc_id, cfg.prefix_mix, generator) if num_passes > 1 else None
+        order = getattr(self.corpus, "order", "randperm")
+        index = batch_rows(step + cfg.data_offset, cfg.batch_size, self.train_rows.shape[0], cfg.seed, order)
         lo = env.rank * per_rank
-        local = rows[lo:lo + per_rank].to(env.device)
-        local_mask = mask[lo:lo + per_rank].to(env.device) if mask is not None else None
+        rows = self.train_rows[index[lo:lo + per_rank]]  # this rank's rows only: ranks read disjoint rows
+        local_mask = None
+        if num_passes > 1:
+            # the feedback mask of a row depends on that row and on its own slots of the global batch's draws (a
+            # fixed number per global batch), so every rank draws the same and masks its rows as one process would
+            full = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=rows.dtype)
+            full[lo:lo + per_rank] = rows
+            local_mask = feedback_mask_for(full, self.doc_id, cfg.prefix_mix, generator)[lo:lo + per_rank]
+            local_mask = local_mask.to(env.device)
+        local = rows.to(env.device)
         micro_batches = [{"input_ids": local[i:i + micro], "labels": local[i:i + micro],
                           "feedback_mask": local_mask[i:i + micro] if local_mask is not None else None}
                          for i in range(0, per_rank, micro)]
@@ -180,6 +235,7 @@ class PretrainRecipe(Recipe):
         atomic_save_pretrained(self.tokenizer, self.cfg.out, mode="merge")
 
     def summarize(self, summary):
+        summary.update(self.inputs)
         val = [r for r in read_jsonl(os.path.join(self.cfg.out, METRICS)) if r.get("split") == "val"]
         if val:
             summary["val_loss"] = val[-1]["val_loss"]
@@ -189,3 +245,72 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, corpu
     """Run (or continue) pre-training as ``cfg`` says; returns a summary dict (``status`` = ``done`` / ``stopped``
     / ``paused``). ``corpus`` (a :class:`fullband.data.corpus.Corpus`) skips loading and tokenizing the data."""
     return run(PretrainRecipe(cfg, corpus, name), resume, overwrite)
+
+
+# ----------------------------------------------------------------------------------------------- reuse
+
+
+_NOT_TRAJECTORY = ("progress", "tensorboard", "plot", "device", "eval_every", "eval_rows", "save_every",
+                   "keep_checkpoints", "stop_after")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_summary(out: str) -> dict | None:
+    """The ``summary.json`` of the run in ``out`` (``None`` when missing or unreadable)."""
+    summary = _read_json(os.path.join(out, SUMMARY))
+    return summary if isinstance(summary, dict) else None
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def run_differences(cfg: TrainConfig, corpus=None) -> list[str] | None:
+    """How the finished run in ``cfg.out`` differs from ``cfg``: ``None`` when there is no finished run there, ``[]``
+    when it is this very run (reused), else one entry per difference: an option that changes what is trained
+    (logging, device and checkpoint options do not), ``the training data`` (other rows of ``corpus``), ``the
+    --init-from model`` (other weights than the run started from)."""
+    summary = read_summary(cfg.out)
+    if summary is None or summary.get("status") != "done":
+        return None
+    saved = _read_json(os.path.join(cfg.out, RUN_CONFIG))
+    saved = saved if isinstance(saved, dict) else {}
+    diffs = [f"--{flag_name(k)} {_short(saved.get(k))} -> {_short(v)}" for k, v in cfg.to_dict().items()
+             if k not in _NOT_TRAJECTORY and saved.get(k) != v]
+    if corpus is not None and summary.get("data_sha256") != data_fingerprint(corpus):
+        diffs.append("the training data" + ("" if summary.get("data_sha256") else " (not recorded by that run)"))
+    if cfg.init_from is not None:
+        try:
+            init = model_fingerprint(cfg.init_from)
+        except FileNotFoundError:
+            init = None
+        if init is None or summary.get("init_sha256") != init:
+            diffs.append("the --init-from model")
+    return diffs
+
+
+def finished(cfg: TrainConfig, corpus=None) -> bool:
+    """Whether ``cfg.out`` holds a finished run of exactly this configuration, data (``corpus``, when given) and
+    initial model (a re-run of the experiment, or a second invocation with other arms or seeds, reuses it instead
+    of training it again)."""
+    return run_differences(cfg, corpus) == []
+
+
+def refuse_changed_runs(cfgs, corpus=None, overwrite: bool = False) -> None:
+    """Before anything is trained: a one-line ``ValueError`` naming the differences when one of ``cfgs`` would
+    replace a finished run of other options, data or initial model (``overwrite``: replace it)."""
+    if overwrite:
+        return
+    for cfg in cfgs:
+        diffs = run_differences(cfg, corpus)
+        if diffs:
+            raise ValueError(f"{cfg.out} holds a finished run that differs ({'; '.join(diffs)}); it is kept: pass "
+                             "--overwrite to retrain it, or choose another --out")

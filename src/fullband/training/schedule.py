@@ -1,7 +1,8 @@
 """Step-indexed schedules: the learning rate, the number of passes K, and how feedback switches on.
 
 Owns :func:`lr_at` (warmup, then cosine, WSD or constant), :class:`FeedbackSchedule` (K for a step: plain before a
-start fraction, then ``num_passes``, with a deterministic ``deep_fraction`` of the steps at ``deep_passes``) and
+start fraction, then ``num_passes`` -- reached through a curriculum in K when asked -- with a deterministic
+``deep_fraction`` of the steps at ``deep_passes``) and
 :class:`SwitchOn` (λ ramp, fusion LR warm-up, fusion-only phase). Each is a function of the step index and the
 config alone, so a resumed run makes exactly the same choices.
 """
@@ -37,13 +38,19 @@ class FeedbackSchedule:
     * steps before ``ceil(start_fraction · total_steps)`` use K = 1 (ordinary pre-training);
     * from then on K = ``num_passes``, except that a ``deep_fraction`` of those steps use ``deep_passes``.
       The deep steps are spread evenly and chosen from the step index alone (step i after the start is deep
-      when ``floor((i+1)·f) > floor(i·f)``), so a resumed run makes exactly the same choices.
+      when ``floor((i+1)·f) > floor(i·f)``), so a resumed run makes exactly the same choices;
+    * a curriculum in K (long recurrences: ``num_passes`` up to the row length): over the first ``curriculum``
+      fraction of the feedback phase (``span = max(1, round(curriculum · (total - start)))`` steps) K climbs
+      linearly from 2 to ``num_passes``, ``K_i = min(num_passes, 2 + floor(i · (num_passes - 1) / span))`` for
+      step i after the start, each value held for about ``span / (num_passes - 1)`` steps; the deep steps are
+      unaffected.
     """
 
     start_fraction: float = 0.75
     num_passes: int = 2
     deep_passes: int = 4
     deep_fraction: float = 0.1
+    curriculum: float = 0.0
 
     def __post_init__(self):
         if not 0.0 <= self.start_fraction <= 1.0:
@@ -54,6 +61,8 @@ class FeedbackSchedule:
             raise ValueError(f"deep_passes must be an integer >= 1, got {self.deep_passes!r}")
         if not 0.0 <= self.deep_fraction <= 1.0:
             raise ValueError(f"deep_fraction must be in [0, 1], got {self.deep_fraction}")
+        if not 0.0 <= self.curriculum <= 1.0:
+            raise ValueError(f"curriculum must be in [0, 1], got {self.curriculum}")
 
     def start_step(self, total_steps: int) -> int:
         return math.ceil(self.start_fraction * total_steps)
@@ -70,6 +79,10 @@ class FeedbackSchedule:
         i = step - start
         if self.deep_fraction > 0 and math.floor((i + 1) * self.deep_fraction) > math.floor(i * self.deep_fraction):
             return self.deep_passes
+        if self.curriculum > 0 and self.num_passes > 2:
+            span = max(1, round(self.curriculum * (total_steps - start)))
+            if i < span:
+                return min(self.num_passes, 2 + (i * (self.num_passes - 1)) // span)
         return self.num_passes
 
     __call__ = passes_at

@@ -178,10 +178,11 @@ def rewrite_jsonl(path: str, records: list[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
 
 
-def iter_jsonl_objects(path: str, expected: str = "a JSON object"):
+def iter_jsonl_objects(path: str, expected: str = "a JSON object", opener=None):
     """``(line_number, record)`` for each non-blank line of a jsonl file; ``ValueError`` naming the line when a line
-    is not valid JSON or not a JSON object (``expected`` says what a line should be)."""
-    with open(path, encoding="utf-8") as f:
+    is not valid JSON or not a JSON object (``expected`` says what a line should be). ``opener(path)``: a text
+    stream of the file (default: ``open(path, encoding="utf-8")``; e.g. a decompressing one)."""
+    with (open(path, encoding="utf-8") if opener is None else opener(path)) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

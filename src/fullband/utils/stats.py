@@ -6,7 +6,13 @@ Owns
 * :func:`bootstrap_ci` — a seeded percentile-bootstrap confidence interval of the mean of paired differences;
 * :func:`compare_paired` — both at once for two runs over the same problems (accuracy difference with McNemar,
   mean difference of a per-problem number such as the reasoning-trace length with its bootstrap CI);
-* :func:`stratified_bootstrap_ci` — the same CI for differences from several training seeds, resampled within each.
+* designs with several training seeds, two of them:
+  - the seeds share their problems (every seed decodes the same held-out problems): the problem is the unit.
+    :func:`sign_flip_exact` — the exact two-sided sign-flip test of per-problem differences summed over seeds
+    (one seed: exact McNemar); :func:`paired_test_shared_problems` — that test on correctness, with McNemar per
+    seed; :func:`bootstrap_ci_shared_problems` — one index draw per resample applied to every seed;
+  - each seed has its own rows (e.g. a seeded validation split): :func:`bootstrap_ci_within_seeds` resamples
+    each seed's rows independently.
 
 Python, numpy and torch's seeded generator; scipy is not needed.
 """
@@ -123,14 +129,15 @@ def compare_paired(correct_a: Sequence[bool], correct_b: Sequence[bool],
     return out
 
 
-def stratified_bootstrap_ci(diffs_per_group: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 2000,
-                            confidence: float = 0.95) -> dict:
+def bootstrap_ci_within_seeds(diffs_per_group: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 2000,
+                              confidence: float = 0.95) -> dict:
     """Mean over groups (training seeds) of each group's mean paired difference, with a percentile-bootstrap CI
-    that resamples the differences within each group (problems or rows, never across seeds); seeded and
-    deterministic. Returns ``{"estimate", "low", "high"}``."""
+    that resamples the differences within each group independently: for seeds that do NOT share their rows (each
+    seed scored on rows of its own); seeds that score the same problems need :func:`bootstrap_ci_shared_problems`.
+    Seeded and deterministic. Returns ``{"estimate", "low", "high"}``."""
     groups = [torch.tensor(list(d), dtype=torch.float64) for d in diffs_per_group]
     if not groups or any(g.numel() == 0 for g in groups):
-        raise ValueError("stratified_bootstrap_ci needs at least one difference in every group")
+        raise ValueError("bootstrap_ci_within_seeds needs at least one difference in every group")
     g = torch.Generator().manual_seed(seed)
     boots = torch.zeros(n_resamples, dtype=torch.float64)
     for d in groups:
@@ -140,3 +147,104 @@ def stratified_bootstrap_ci(diffs_per_group: Sequence[Sequence[float]], seed: in
     alpha = (1.0 - confidence) / 2.0
     lo, hi = torch.quantile(boots, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)).tolist()
     return {"estimate": float(sum(d.mean() for d in groups) / len(groups)), "low": lo, "high": hi}
+
+
+# ---------------------------------------------------------------------------------------------- shared problems
+
+
+def sign_flip_exact(diffs: Sequence[int]) -> float:
+    """Exact two-sided sign-flip (permutation) p-value of integer per-problem differences ``d_i``.
+
+    Under the null hypothesis A and B are exchangeable on every problem, so each ``d_i`` is as likely to be
+    ``-d_i``: the statistic ``T = sum d_i`` is compared with all ``2^m`` sign assignments of the ``m`` non-zero
+    differences, ``p = #{|T*| >= |T|} / 2^m`` (1 when every difference is 0), counted exactly in integers by
+    dynamic programming over the reachable sums. With ``d_i = correct_A - correct_B`` on one seed this is exact
+    McNemar (:func:`mcnemar_exact`); with ``d_i`` summed over seeds that share the problems, each problem is
+    counted once however many seeds saw it.
+    """
+    vals = []
+    for v in diffs:
+        if isinstance(v, bool) or int(v) != v:
+            raise ValueError(f"sign_flip_exact needs integer differences, got {v!r}")
+        if int(v):
+            vals.append(abs(int(v)))
+    t_obs = abs(sum(int(v) for v in diffs))
+    if not vals:
+        return 1.0
+    counts = {0: 1}  # reachable sum -> number of sign assignments reaching it
+    for a in vals:
+        nxt: dict[int, int] = {}
+        for t, n in counts.items():
+            nxt[t + a] = nxt.get(t + a, 0) + n
+            nxt[t - a] = nxt.get(t - a, 0) + n
+        counts = nxt
+    extreme = sum(n for t, n in counts.items() if abs(t) >= t_obs)
+    return min(1.0, extreme / 2 ** len(vals))  # big integers: exact up to the final, correctly rounded division
+
+
+def _per_seed_matrix(per_seed: Sequence[Sequence[float]], name: str) -> np.ndarray:
+    rows = [np.asarray(list(r), dtype=np.float64) for r in per_seed]
+    if not rows or rows[0].size == 0:
+        raise ValueError(f"{name} needs at least one seed with at least one problem")
+    if any(r.shape != rows[0].shape for r in rows):
+        raise ValueError(f"{name}: the seeds must share their problems (same count, same order), got "
+                         f"{[r.size for r in rows]} per seed")
+    return np.stack(rows)
+
+
+def paired_test_shared_problems(correct_a: Sequence[Sequence[bool]], correct_b: Sequence[Sequence[bool]]) -> dict:
+    """A vs B on correctness over seeds that decode the same problems (``correct_a[s][i]``: seed s, problem i, the
+    same problem order in every seed and both arms).
+
+    Returns ``{"p", "method", "problems", "discordant_problems", "per_seed": [{"a_only", "b_only", "mcnemar_p"}]}``:
+    ``p`` is :func:`sign_flip_exact` on ``d_i = sum over seeds (A_si - B_si)``, which counts each problem once
+    (pooling the seeds' discordant pairs into one McNemar test would count a problem once per seed);
+    ``per_seed`` is exact McNemar on each seed alone."""
+    a = _per_seed_matrix([[bool(x) for x in r] for r in correct_a], "paired_test_shared_problems")
+    b = _per_seed_matrix([[bool(x) for x in r] for r in correct_b], "paired_test_shared_problems")
+    if a.shape != b.shape:
+        raise ValueError(f"paired comparison needs the same seeds and problems: {a.shape} vs {b.shape}")
+    d = (a - b).sum(axis=0).astype(int).tolist()
+    per_seed = []
+    for ra, rb in zip(a, b):
+        x, y = discordant_counts(ra.tolist(), rb.tolist())
+        per_seed.append({"a_only": x, "b_only": y, "mcnemar_p": mcnemar_exact(x, y)})
+    return {"p": sign_flip_exact(d), "problems": a.shape[1], "discordant_problems": sum(1 for v in d if v),
+            "method": f"exact sign-flip test of per-problem differences summed over {a.shape[0]} seed(s) "
+                      "(one seed: exact McNemar)", "per_seed": per_seed}
+
+
+def bootstrap_ci_shared_problems(diffs_per_seed: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 10_000,
+                                 confidence: float = 0.95) -> dict:
+    """Mean over seeds of each seed's mean paired difference, with a percentile-bootstrap CI for seeds that share
+    their problems: every resample draws ONE vector of problem indices (with replacement) and applies it to every
+    seed, so a problem's seeds stay together. ``NaN`` marks a difference not defined for that seed and problem
+    (e.g. a trace difference where not both were right): a seed's mean is over its defined entries, and a seed
+    with none in a resample is left out of that resample's mean. Seeded and deterministic; with one seed it draws
+    exactly what :func:`bootstrap_ci` draws. Returns ``{"estimate", "low", "high"}``."""
+    x = _per_seed_matrix(diffs_per_seed, "bootstrap_ci_shared_problems")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    defined = ~np.isnan(x)
+    if not defined.any(axis=1).all():
+        raise ValueError("bootstrap_ci_shared_problems needs at least one defined difference in every seed")
+    vals, mask = np.where(defined, x, 0.0), defined.astype(np.float64)
+    n = x.shape[1]
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_resamples, dtype=np.float64)
+    chunk = max(1, 2_000_000 // n)  # the same draws as bootstrap_ci for one seed
+    for start in range(0, n_resamples, chunk):
+        stop = min(n_resamples, start + chunk)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        sums, cnts = vals[:, idx].sum(axis=2), mask[:, idx].sum(axis=2)  # [seeds, resamples]
+        ok = cnts > 0
+        seed_means = np.where(ok, sums / np.where(ok, cnts, 1.0), 0.0)
+        used = ok.sum(axis=0)
+        means[start:stop] = np.where(used > 0, seed_means.sum(axis=0) / np.maximum(used, 1), np.nan)
+    alpha = (1.0 - confidence) / 2.0
+    # a resample that drew no defined entry in any seed has no mean: left out (only possible with NaN entries)
+    low, high = np.nanquantile(means, [alpha, 1.0 - alpha])
+    estimate = float(np.mean(vals.sum(axis=1) / mask.sum(axis=1)))
+    return {"estimate": estimate, "low": float(low), "high": float(high)}

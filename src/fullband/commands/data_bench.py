@@ -1,0 +1,146 @@
+"""``fullband data bench``: prepared data at scale, measured (a benchmark, not a test).
+
+Owns the benchmark: it writes a synthetic jsonl corpus of ``--gb`` GB (Zipf-distributed pseudo-words, documents
+of 100..4000 words, seeded) under ``--workdir``, runs ``fullband data prepare`` on it with ``--workers`` processes,
+then ``fullband train --steps 1`` on the prepared directory and on the embedded corpus; each command is a
+subprocess whose process tree is polled with psutil every 0.25 s for its peak memory (the main process's RSS,
+and the tree's PSS summed over its processes, workers included). It prints one JSON object (load average and
+CPU count included) and deletes the generated files unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+from ..utils.io import atomic_write_text
+
+
+def add_bench_parser(group) -> None:
+    b = group.add_parser("bench", help="benchmark: prepare a synthetic corpus, then training start-up on it (JSON)",
+                         description=__doc__.split("\n\n")[1])
+    b.add_argument("--gb", type=float, default=2.0, help="size of the synthetic jsonl corpus in GB (default: 2)")
+    b.add_argument("--workers", type=int, default=2, help="prepare workers (default: 2)")
+    b.add_argument("--workdir", default="/tmp/fullband-data-bench", help="where the corpus and outputs go")
+    b.add_argument("--tokenizer-sample-mb", type=float, default=64.0, help="BPE training sample (default: 64)")
+    b.add_argument("--skip-train", action="store_true", help="measure the prepare only")
+    b.add_argument("--keep", action="store_true", help="keep the generated files")
+    b.add_argument("--out-json", default=None, metavar="FILE", help="also write the result here")
+    b.set_defaults(func=run_bench)
+
+
+def write_corpus(path: str, gb: float, seed: int = 0) -> dict:
+    """A jsonl file of at least ``gb`` GB of synthetic text; returns its size and document count.
+
+    A pool of 2048 documents of Zipf-distributed pseudo-words (20,000 of them, 1..9 letters) is drawn once; each
+    line of the file joins the tail of one pool document to the head of another at random cut points (fast to
+    write: the text needs no JSON escaping). Lines are written in blocks of 4096 (about 27 MB), so the file
+    overshoots ``gb`` by up to one block."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    words = np.array(["".join(rng.choice(letters, size=rng.integers(1, 10))) for _ in range(20000)])
+    p = 1.0 / np.arange(1, words.size + 1) ** 1.1
+    p /= p.sum()
+    pool = [" ".join(words[rng.choice(words.size, size=int(rng.integers(100, 4000)), p=p)]) for _ in range(2048)]
+    target, size, docs = int(gb * 1e9), 0, 0
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        while size < target:
+            picks = rng.integers(0, len(pool), size=(4096, 2))
+            cuts = rng.random((4096, 2))
+            lines = []
+            for (i, j), (a, b) in zip(picks.tolist(), cuts.tolist()):
+                x, y = pool[i], pool[j]
+                lines.append('{"text": "' + x[int(a * len(x)):] + " " + y[:int(b * len(y)) + 1] + '"}\n')
+            chunk = "".join(lines)
+            f.write(chunk)
+            size += len(chunk)
+            docs += len(lines)
+    os.replace(tmp, path)
+    return {"path": path, "bytes": os.path.getsize(path), "documents": docs}
+
+
+def measure(cmd: list[str], env: dict) -> dict:
+    """Run ``cmd``; wall time, exit code, and peak RSS (MB) of its main process and of its whole tree."""
+    import psutil
+
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = {"main": 0, "tree": 0}
+    stop = threading.Event()
+
+    def poll():
+        try:
+            root = psutil.Process(proc.pid)
+        except psutil.Error:
+            return
+        while not stop.is_set():
+            try:  # the tree as PSS: pages a forked worker shares with its parent are counted once
+                main = root.memory_info().rss
+                procs = [root, *root.children(recursive=True)]
+                tree = sum(p.memory_full_info().pss for p in procs)
+            except psutil.Error:
+                tree = main = 0
+            peak["main"], peak["tree"] = max(peak["main"], main), max(peak["tree"], tree)
+            stop.wait(0.25)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    out, err = proc.communicate()
+    stop.set()
+    thread.join()
+    return {"cmd": " ".join(cmd[2:]) if cmd[:2] == [sys.executable, "-m"] else " ".join(cmd),
+            "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 2),
+            "peak_rss_mb_main": round(peak["main"] / 2**20, 1), "peak_pss_mb_tree": round(peak["tree"] / 2**20, 1),
+            "stdout": out, "stderr_tail": err[-1000:]}
+
+
+def run_bench(args) -> int:
+    work = args.workdir
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    fb = [sys.executable, "-m", "fullband.cli"]
+    result = {"load_avg_start": list(os.getloadavg()), "cpus": os.cpu_count(), "gb": args.gb}
+    corpus, prep = os.path.join(work, "corpus.jsonl"), os.path.join(work, "prepared")
+    try:
+        t = time.perf_counter()
+        result["corpus"] = dict(write_corpus(corpus, args.gb), write_s=round(time.perf_counter() - t, 1))
+        shutil.rmtree(prep, ignore_errors=True)
+        p = measure(fb + ["data", "prepare", corpus, "--out", prep, "--workers", str(args.workers), "--json",
+                          "--no-progress", "--tokenizer-sample-mb", str(args.tokenizer_sample_mb)], env)
+        if p["rc"] != 0:
+            raise ValueError(f"prepare failed: {p['stderr_tail'].strip().splitlines()[-1:]}")
+        manifest = json.loads(p.pop("stdout"))
+        p["run"] = manifest["run"]
+        p["tokens"], p["documents"], p["dtype"] = manifest["tokens"], manifest["documents"], manifest["dtype"]
+        result["prepare"] = p
+        result["load_avg_after_prepare"] = list(os.getloadavg())
+        if not args.skip_train:
+            common = ["--preset", "micro", "--steps", "1", "--no-progress", "--no-tensorboard", "--no-plot"]
+            for name, data in (("embedded", "shakespeare"), ("prepared", prep)):
+                out = os.path.join(work, f"train-{name}")
+                r = measure(fb + ["train", "--data", data, "--out", out, "--overwrite", *common], env)
+                r.pop("stdout")
+                if r["rc"] != 0:
+                    raise ValueError(f"train on {name} failed: {r['stderr_tail'].strip().splitlines()[-1:]}")
+                result[f"train_{name}"] = r
+            e, q = result["train_embedded"], result["train_prepared"]
+            delta = round(q["peak_rss_mb_main"] - e["peak_rss_mb_main"], 1)
+            result["train_prepared_vs_embedded"] = {"wall_ratio": round(q["wall_s"] / e["wall_s"], 3),
+                                                    "rss_mb_delta": delta}
+        result["load_avg_end"] = list(os.getloadavg())
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out_json:
+        atomic_write_text(args.out_json, text + "\n")
+    return 0

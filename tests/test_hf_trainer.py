@@ -1,0 +1,119 @@
+"""The K-pass objective inside HF ``Trainer`` and TRL ``SFTTrainer``: the logged passes follow the schedule, and one
+trainer step equals one step of the package's own engine on the same batch."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainingArguments
+
+import fullband
+from fullband.training.config import TrainConfig
+from fullband.training.engine import forward_backward
+from fullband.training.hf_trainer import FullBandwidthTrainer, PassSchedule, sft_trainer_class
+from fullband.training.optimizer import build_optimizer, set_learning_rates
+
+from conftest import TEXTS, random_ids, tiny_backbone_config, tiny_model
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return self.ids.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_args(tmp_path, steps, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=1, learning_rate=1e-3,
+                lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                adam_epsilon=1e-8, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+                use_cpu=True, optim="adamw_torch", seed=0, disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def test_trainer_step_equals_the_engine_step(tmp_path):
+    """A K=2 step with prefix mixing through ``Trainer`` and through the package's engine (its forward_backward and
+    its fused AdamW with the fusion at 10x the LR) on the same row and mask: same loss, same weights after the
+    optimizer step. Bugs caught: the trainer running K=1 (a plain forward: other loss, fusion gets no update), λ or
+    the mask not passed, the fusion group at the trainer's plain LR, weight decay on norms."""
+    ids = random_ids(1, 24, seed=3)
+    ids[0, 12] = 1  # BOS: a second document inside the row: no state across it
+    model = tiny_model(fusion="residual", jitter=0.0)
+    with torch.no_grad():  # a trained-looking fusion: the residual entry's output gain away from 0
+        model.feedback.out_norm.weight.fill_(0.5)
+    reference = copy.deepcopy(model)
+    sched = PassSchedule(feedback_start=0.0, num_passes=2, deep_fraction=0.0, prefix_mix=0.5, feedback_ramp=0.0,
+                         feedback_weight=0.7, fusion_lr_mult=10.0, reset_fusion=False)
+    trainer = FullBandwidthTrainer(model=model, args=trainer_args(tmp_path, 1), train_dataset=Rows(ids),
+                                   pass_schedule=sched)
+    mask = trainer.feedback_mask(model, {"input_ids": ids}, step=0, micro=0)
+    assert not mask[0, 12] and not mask[0, 0] and mask.sum() < 22  # document start, position 0, a mixed prefix
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["num_passes"] == 2
+
+    cfg = TrainConfig(out="x", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, fusion_lr_mult=10.0)
+    reference.train()
+    opt = build_optimizer(reference, cfg, torch.device("cpu"))
+    set_learning_rates(opt, 1e-3, 1e-3)
+    loss, passes = forward_backward(reference, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], 2,
+                                    contextlib.nullcontext, feedback_weight=0.7)
+    opt.step()
+    assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert [logged["loss_pass1"], logged["loss_pass2"]] == pytest.approx(passes.tolist(), rel=1e-5)
+    assert float(loss) == pytest.approx(float(passes[0] + 0.7 * passes[1]), rel=1e-6)
+    moved = 0
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        moved += name.startswith("feedback.")
+    assert moved and not torch.equal(model.feedback.value_proj.weight, tiny_model(fusion="residual").feedback.value_proj.weight)
+
+
+def test_trainer_logs_the_pass_schedule(tmp_path):
+    """Four steps, feedback from the middle with a deep step: the logged K per step is the schedule's, and each
+    logged loss is L_1 + λ·mean(L_2..L_K). Bug caught: a trainer stuck at K=1 (``forward`` defaults to one pass)."""
+    ids = random_ids(4, 16, seed=5)
+    sched = PassSchedule(feedback_start=0.5, num_passes=2, deep_passes=3, deep_fraction=0.5, feedback_ramp=0.0,
+                         prefix_mix=0.0)
+    trainer = FullBandwidthTrainer(model=tiny_model(fusion="residual"), args=trainer_args(tmp_path, 4),
+                                   train_dataset=Rows(ids), pass_schedule=sched)
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "num_passes" in r]
+    assert [r["num_passes"] for r in logs] == [sched.passes_at(s, 4) for s in range(4)] == [1, 1, 2, 3]
+    for r in logs:
+        losses = [r[f"loss_pass{i + 1}"] for i in range(r["num_passes"])]
+        expect = losses[0] + (sum(losses[1:]) / (len(losses) - 1) if len(losses) > 1 else 0.0)
+        assert r["loss"] == pytest.approx(expect, rel=1e-4)
+
+
+def test_trl_sft_trainer_runs_the_pass_schedule(tmp_path):
+    """TRL's SFTTrainer on prompt/completion pairs (loss on the completion only): K > 1 from the schedule's start."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from fullband.data.corpus import train_tokenizer
+
+    tok = train_tokenizer(TEXTS * 4, vocab_size=300)
+    cfg = tiny_backbone_config("llama", vocab_size=len(tok))
+    torch.manual_seed(0)
+    model = fullband.FullBandwidthForCausalLM.from_backbone(AutoModelForCausalLM.from_config(cfg), fusion="residual",
+                                                            doc_start_token_id=tok.bos_token_id)
+    pairs = [{"prompt": t.split("\n")[0], "completion": " " + t.split("\n")[1]} for t in TEXTS] * 3
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+                         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, max_length=64,
+                         disable_tqdm=True, seed=0)
+    sched = PassSchedule(feedback_start=0.5, num_passes=2, deep_fraction=0.0)
+    trainer = sft_trainer_class()(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                                  processing_class=tok, pass_schedule=sched)
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "num_passes" in r]
+    assert [r["num_passes"] for r in logs] == [1, 1, 2, 2]
+    assert all("loss_pass2" in r for r in logs[2:]) and not any("loss_pass2" in r for r in logs[:2])

@@ -1,0 +1,110 @@
+"""``fullband train --dry-run``: the plan's counts against a real run and against arithmetic done by hand."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from fullband import cli
+from fullband.model.modeling import load_model
+from fullband.eval.flops import flop_parameters, training_flops
+from fullband.training.config import TrainConfig
+from fullband.training.plan import GIB, activation_bytes_per_token, make_plan
+from fullband.training.presets import backbone_config
+from fullband.utils.io import read_jsonl
+
+RUN = ["--preset", "micro", "--seq-len", "32", "--batch-size", "4", "--seed", "0", "--no-progress",
+       "--no-tensorboard", "--feedback-start", "0.5", "--deep-fraction", "0.34"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(data, tmp_path_factory):
+    """A real 6-step run (K = 1, 1, 1, 2, 2, 4) whose logged steps the plan must predict."""
+    out = tmp_path_factory.mktemp("plan") / "run"
+    assert cli.main(["train", "--steps", "6", "--out", str(out), "--data", data, "--vocab-size", "300", *RUN]) == 0
+    return str(out)
+
+
+def test_plan_predicts_the_run_it_plans(finished_run, capsys):
+    """Bugs caught: a schedule in the plan that differs from the trainer's (another K histogram), a parameter count
+    of the meta-device model that differs from the real one (e.g. an untied head counted once, the fusion missed),
+    a per-step FLOP figure that is not what experiments charge a finished run."""
+    capsys.readouterr()
+    rc = cli.main(["train", "--dry-run", "--json", "--steps", "6", "--out", finished_run, "--tokenizer", finished_run,
+                   *RUN])
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out)
+    records = [r for r in read_jsonl(os.path.join(finished_run, "metrics.jsonl")) if r.get("split") == "train"]
+    assert plan["passes_histogram"] == {str(k): n for k, n in
+                                        sorted(collections.Counter(r["num_passes"] for r in records).items())}
+    model = load_model(finished_run)
+    fp = flop_parameters(model)
+    assert plan["model"]["backbone_params"] == sum(p.numel() for p in model.backbone.parameters())
+    assert plan["model"]["fusion_params"] == sum(p.numel() for p in model.feedback.parameters())
+    assert plan["model"]["matmul_params"] == fp["matmul_params"]
+    assert plan["total_flops"] == pytest.approx(training_flops(records, 4 * 32, 32, fp)["flops"], rel=1e-12)
+
+
+def test_plan_arithmetic_by_hand():
+    """Micro preset (d64, L2, MLP 128, 4 heads), vocabulary 300, untied head, residual fusion. Worked by hand:
+    backbone = L·(4·d² + 3·d·f + 2·d) + 2·V·d + d = 2·(16384 + 24576 + 128) + 38400 + 64 = 120640;
+    fusion = W_G + W_U (d² each) + the output norm's gain (d) = 8256; matmul = 120640 − V·d = 101440.
+    FLOPs per token and pass = 6·101440 + 6·L·T·d = 608640 + 6·2·32·64 = 633216; a K=2 step of 4 rows × 32 tokens
+    = 128 · (2·633216 + 6·8256) = 168,443,904. Memory: 16 + 2 bytes per parameter (fp32 weights, grads, AdamW,
+    bf16 copies); FSDP over 4 devices divides it by 4.
+    Bugs caught: a wrong layer formula, the fusion counted per pass twice, FSDP not sharding the states."""
+    cfg = TrainConfig(out="x", preset="micro", steps=10, seq_len=32, batch_size=4, vocab_size=300, num_passes=2,
+                      feedback_start=0.5, deep_fraction=0.0)
+    plan = make_plan(cfg, world_size=1, gpu="h100", mfu=0.5)
+    m = plan["model"]
+    assert (m["backbone_params"], m["fusion_params"], m["matmul_params"]) == (120640, 8256, 101440)
+    assert plan["passes_histogram"] == {1: 5, 2: 5}
+    assert plan["flops_per_step"][2] == 168_443_904
+    assert plan["total_flops"] == 5 * 128 * 633216 + 5 * 168_443_904
+    assert plan["seconds"] == pytest.approx(plan["total_flops"] / (989e12 * 0.5))
+    # --grad-passes 1 at K=3: one pass with gradient, two forward-only (a third of the cost each), one of them fused:
+    # 633216 + 2·633216/3 + 49536 + 49536/3 = 1,121,408 per token; x 128 tokens = 143,540,224
+    truncated = make_plan(TrainConfig(**{**cfg.to_dict(), "num_passes": 3, "grad_passes": 1}), gpu="h100")
+    assert truncated["flops_per_step"][3] == pytest.approx(143_540_224, rel=1e-12)
+    assert truncated["passes_with_graph"] == 1
+    mem = plan["memory_per_device_bytes"]
+    n = 120640 + 8256
+    assert (mem["weights"], mem["gradients"], mem["adamw"], mem["bf16_weight_copies"]) == (4 * n, 4 * n, 8 * n, 2 * n)
+    sharded = make_plan(TrainConfig(**{**cfg.to_dict(), "parallel": "fsdp"}), world_size=4, gpu="h100")
+    assert sharded["memory_per_device_bytes"]["adamw"] == 8 * n / 4
+    # activations: per token and pass L·(10d + 4f)·2 bytes + V·4 bytes of fp32 logits = 2·1152·2 + 1200 = 5808
+    p = dict(m, seq_len=32)
+    assert activation_bytes_per_token(p, 2, False, gpu_attention=True) == 5808
+    # with checkpointing: L·d + one layer's (10d + 4f), bf16, plus the logits = (128 + 1152)·2 + 1200 = 3760
+    assert activation_bytes_per_token(p, 2, True, gpu_attention=True) == 3760
+    assert mem["activations_without_checkpointing"] == 4 * 32 * 5808 * 2  # micro-batch tokens x K=2 graphs
+
+
+def test_plan_of_a_tied_gpt2_small_shape_and_a_config_too_big_for_one_device():
+    """The tied head is counted once (GPT-2 small's shape at GPT-2's vocabulary is ≈124M parameters), and a
+    batch that cannot fit gets the --grad-accum that does."""
+    cfg = TrainConfig(out="x", preset="gpt2-small", steps=100, seq_len=1024, batch_size=512, vocab_size=50257)
+    plan = make_plan(cfg, gpu="h200")
+    real = AutoModelForCausalLM.from_config(backbone_config("gpt2-small", 50257, max_position_embeddings=2048))
+    assert plan["model"]["tied_embeddings"] is True
+    assert plan["model"]["backbone_params"] == sum(p.numel() for p in real.parameters())
+    assert plan["model"]["matmul_params"] == plan["model"]["backbone_params"]
+    static = sum(v for k, v in plan["memory_per_device_bytes"].items() if not k.startswith("activations"))
+    accum = plan["grad_accum_to_fit"]
+    assert accum is not None and accum > 1 and 512 % accum == 0
+    per_row = plan["memory_per_device_bytes"]["activations_without_checkpointing"] / 512
+    assert static + per_row * 512 / accum <= 0.9 * 141 * GIB < static + per_row * 512 / (accum // 2)
+
+
+def test_dry_run_writes_nothing_and_bad_values_are_one_line(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert cli.main(["train", "--dry-run", "--out", str(out), "--preset", "tiny", "--steps", "50"]) == 0
+    text = capsys.readouterr().out
+    assert "K=1: 35" in text and "K=2" in text and not out.exists()
+    assert cli.main(["train", "--dry-run", "--plan-mfu", "2", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plan-mfu" in err[0]

@@ -1,0 +1,121 @@
+"""Run reuse across the experiments: a finished run is reused only for the same options, data and initial model;
+one that differs is kept (a one-line error naming the differences, exit 2) unless ``--overwrite``; a cached
+decode is keyed by the decoded model's weights, so a changed model is decoded again."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fullband import cli
+from fullband.training.checkpoint import model_fingerprint
+from fullband.training.config import TrainConfig
+from fullband.training.pretrain import data_fingerprint, run_differences
+
+
+def _train(data, out, *extra, steps=2):
+    argv = ["train", "--preset", "micro", "--steps", str(steps), "--out", str(out), "--seed", "0", "--data", data,
+            "--vocab-size", "300", "--seq-len", "32", "--batch-size", "2", "--no-progress", "--no-tensorboard",
+            "--no-plot", *extra]
+    assert cli.main(argv) == 0
+
+
+def _stamps(out) -> dict:
+    return {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in sorted(os.listdir(out))
+            if os.path.isfile(os.path.join(out, n))}
+
+
+def test_model_fingerprint_follows_the_weights(tmp_path, data):
+    out = tmp_path / "run"
+    _train(data, out, "--num-passes", "1")
+    before = model_fingerprint(str(out))
+    assert model_fingerprint(str(out)) == before  # stable
+    weights = load_file(str(out / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert model_fingerprint(str(out)) != before
+    with pytest.raises(FileNotFoundError):
+        model_fingerprint(str(tmp_path))  # no weights there
+
+
+def test_run_differences_names_options_data_and_init(tmp_path, data):
+    out = tmp_path / "run"
+    _train(data, out, "--num-passes", "1")
+    saved = json.loads((out / "run_config.json").read_text())
+    cfg = TrainConfig(**saved)
+    summary = json.loads((out / "summary.json").read_text())
+    from fullband.training.pretrain import build_tokenizer_and_corpus
+
+    corpus = build_tokenizer_and_corpus(cfg)
+    assert summary["data_sha256"] == data_fingerprint(corpus) and summary["init_sha256"] is None
+    assert run_differences(cfg, corpus) == []
+    assert run_differences(TrainConfig(**{**saved, "device": "cpu", "progress": True}), corpus) == []  # not the run
+    assert run_differences(TrainConfig(**{**saved, "lr": 0.5}), corpus) == [f"--lr {saved['lr']!r} -> 0.5"]
+    other = build_tokenizer_and_corpus(TrainConfig(**{**saved, "seed": 1}))  # another split of the documents
+    assert run_differences(cfg, other) == ["the training data"]
+    assert run_differences(TrainConfig(**{**saved, "out": str(tmp_path / "none")}), corpus) is None
+
+
+def test_experiments_keep_a_finished_run_of_other_options(tmp_path, data, capsys):
+    """quickstart and data-efficiency find a finished run of other options where they would train: exit 2 with
+    one line naming the differences, nothing written; --overwrite retrains it."""
+    qs = tmp_path / "qs"
+    _train(data, qs / "baseline", "--num-passes", "1")
+    before = _stamps(qs / "baseline")
+    capsys.readouterr()
+    argv = ["quickstart", "--out", str(qs), "--preset", "micro", "--steps", "4", "--batch-size", "2", "--seq-len",
+            "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "0", "--no-progress", "--quiet",
+            "--no-flops-baseline"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(qs / "baseline") in err and "--steps 2 -> 4" in err and "--overwrite" in err
+    assert _stamps(qs / "baseline") == before and not (qs / "fbt").exists()
+
+    de = tmp_path / "de"
+    _train(data, de / "runs" / "baseline-0.50x", "--num-passes", "1", steps=3)
+    before = _stamps(de / "runs" / "baseline-0.50x")
+    capsys.readouterr()
+    argv = ["experiment", "data-efficiency", "--out", str(de), "--preset", "micro", "--steps", "2", "--batch-size",
+            "2", "--seq-len", "32", "--vocab-size", "300", "--data", data, "--multipliers", "0.5,1", "--eval-rows",
+            "2", "--feedback-start", "0.5", "--no-progress", "--quiet"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "baseline-0.50x" in err and "--steps 3 -> 1" in err
+    assert _stamps(de / "runs" / "baseline-0.50x") == before and not (de / "runs" / "fbt-1.00x").exists()
+    assert cli.main(argv + ["--overwrite"]) == 0
+    recs = [json.loads(line) for line in (de / "runs" / "baseline-0.50x" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("step", 0) for r in recs) == 1
+    # a second invocation reuses every run: nothing is retrained
+    stamps = {d: _stamps(de / "runs" / d) for d in os.listdir(de / "runs")}
+    assert cli.main(argv) == 0
+    assert {d: _stamps(de / "runs" / d) for d in os.listdir(de / "runs")} == stamps
+
+
+def test_a_reasoning_decode_is_not_reused_after_the_weights_change(tmp_path, capsys):
+    out = tmp_path / "rs"
+    argv = ["experiment", "reasoning", "--quick", "--out", str(out), "--no-progress", "--num-seeds", "1",
+            "--no-flops-baseline", "--styles", "free", "--fbt-modes", "exact", "--test-problems", "3"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    cache = json.loads((out / "seed0" / "decodes.json").read_text())
+    assert cache["FBT/exact/free"]["key"]["model_sha256"] == model_fingerprint(str(out / "seed0" / "fbt"))
+    # the same invocation again: training and decodes reused
+    assert cli.main(argv) == 0
+    assert "decoding" not in capsys.readouterr().err
+    # the FBT model's weights change (its run's files otherwise untouched): decoded again, the baseline not
+    path = out / "seed0" / "fbt" / "model.safetensors"
+    weights = load_file(str(path))
+    for k in weights:
+        if k.startswith("feedback."):
+            weights[k] = torch.zeros_like(weights[k])
+    save_file(weights, str(path), metadata={"format": "pt"})
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "FBT in exact mode" in err and "baseline in standard mode" not in err
+    cache = json.loads((out / "seed0" / "decodes.json").read_text())
+    assert cache["FBT/exact/free"]["key"]["model_sha256"] == model_fingerprint(str(out / "seed0" / "fbt"))

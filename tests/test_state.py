@@ -1,0 +1,326 @@
+"""Long recurrences and the state experiment: the running-state generators and their dense labels against hand-computed
+states, truncated gradients (``grad_passes``) against autograd through the last N passes written from the equations,
+K = T passes against the exact recurrence, the early stop against the relative changes computed by hand, the curriculum
+in K and the FLOP count of passes without gradient, the new ``fullband train`` flags, and ``fullband experiment state
+--quick`` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import feedback_mask, fuse, recurrence_logits
+
+from fullband import cli
+from fullband.eval.depth_tasks import permutations_of
+from fullband.eval.flops import training_flops
+from fullband.eval.state_tasks import (
+    LabelTable,
+    dense_labels,
+    encode_state_rows,
+    exact_passes,
+    make_state_problems,
+    state_tokenizer,
+)
+from fullband.training.config import TrainConfig
+from fullband.training.schedule import FeedbackSchedule
+
+from conftest import random_ids, tiny_model
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+def labels_of(rows_words: list[str]) -> list[str]:
+    """Dense labels of one hand-written stream, as words (the label slots 2..T+1)."""
+    tok = state_tokenizer()
+    inv = {i: w for w, i in tok.get_vocab().items()}
+    rows = torch.tensor([[tok.bos_token_id] + [tok.convert_tokens_to_ids(w) for w in rows_words]
+                         + [tok.eos_token_id]])
+    lab = dense_labels(rows, LabelTable(tok))[0]
+    assert (lab[:2] == -100).all()
+    return [inv[int(i)] for i in lab[2:]]
+
+
+def test_s3_running_product_by_hand():
+    # g1 = (0,2,1), g2 = (1,0,2), g3 = (1,2,0); "a then b" is x -> b[a[x]]
+    assert permutations_of(3)[1:4] == [(0, 2, 1), (1, 0, 2), (1, 2, 0)]
+    assert labels_of(["g3", "g3", "g3"]) == ["g3", "g4", "g0"]  # a 3-cycle: g3^2 = (2,0,1) = g4, g3^3 = e
+    assert labels_of(["g1", "g2"]) == ["g1", "g3"]  # g1 then g2: 0->1, 1->2, 2->0 = (1,2,0)
+    assert labels_of(["g2", "g1"]) == ["g2", "g4"]  # g2 then g1: (2,0,1): the order matters
+    assert labels_of(["g0", "g5", "g5"]) == ["g0", "g5", "g0"]  # identity, then a transposition twice
+
+
+def test_s5_running_product_by_hand():
+    group = permutations_of(5)
+    c = group.index((1, 2, 3, 4, 0))  # x -> x + 1 mod 5
+    c2 = group.index((2, 3, 4, 0, 1))
+    c4 = group.index((4, 0, 1, 2, 3))
+    assert labels_of([f"p{c}"] * 5) == [f"p{c}", f"p{c2}", f"p{group.index((3, 4, 0, 1, 2))}", f"p{c4}", "p0"]
+
+
+def test_parity_and_variables_by_hand():
+    assert labels_of(["b1", "b0", "b1", "b1", "b0"]) == ["b1", "b1", "b0", "b1", "b1"]
+    # x: 1, 2; y = x = 2; z: 1; x = z = 1; y: 3
+    assert labels_of(["x+", "x+", "y=x", "z+", "x=z", "y+"]) == ["v1", "v2", "v2", "v1", "v1", "v3"]
+    assert labels_of(["x+"] * 6) == ["v1", "v2", "v3", "v4", "v0", "v1"]  # mod 5
+
+
+def test_generators_agree_with_the_labels_and_are_seeded():
+    tok = state_tokenizer()
+    inv = {i: w for w, i in tok.get_vocab().items()}
+    problems = make_state_problems(["s3", "s5", "parity", "vars"], 40, seed=3, length=9)
+    assert [p.task for p in problems[:4]] == ["s3", "s5", "parity", "vars"]
+    rows = encode_state_rows(tok, problems)
+    assert rows.shape == (40, 11) and (rows[:, 0] == tok.bos_token_id).all() and (rows[:, -1] == tok.eos_token_id).all()
+    labels = dense_labels(rows, LabelTable(tok))
+    for p, lab in zip(problems, labels):
+        assert tuple(inv[int(i)] for i in lab[2:]) == p.outputs
+        assert tuple(inv[int(i)] for i in rows[problems.index(p)][1:-1]) == p.inputs
+    assert make_state_problems(["s3"], 5, 3, 9) == make_state_problems(["s3"], 5, 3, 9)
+    assert make_state_problems(["s3"], 5, 3, 9) != make_state_problems(["s3"], 5, 4, 9)
+    assert exact_passes(10) == 11
+    with pytest.raises(ValueError):
+        make_state_problems(["s4"], 2, 0, 3)
+    with pytest.raises(ValueError):
+        encode_state_rows(tok, make_state_problems(["s3"], 1, 0, 3) + make_state_problems(["s3"], 1, 0, 4))
+
+
+# ---------------------------------------------------------------------------------------------- truncated gradients
+
+
+def reference_loss(model, ids, num_passes: int, grad_passes: int, weight: float = 1.0) -> torch.Tensor:
+    """``L_1 + λ mean(L_2..L_K)`` with passes 1..K-N under ``torch.no_grad`` (constants) and autograd through the
+    last N only, written from the equations (raw fusion weights, the backbone on ``inputs_embeds``)."""
+    e = model.backbone.get_input_embeddings().weight[ids]
+    mask = feedback_mask(ids, model.config.doc_start_token_id).unsqueeze(-1)
+    losses, h = [], None
+    for k in range(num_passes):
+        with torch.set_grad_enabled(k >= num_passes - grad_passes):
+            if h is None:
+                u = e
+            else:
+                prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+                u = torch.where(mask, fuse(model, prev, e), e)
+            out = model.backbone(inputs_embeds=u, output_hidden_states=True, use_cache=False)
+            h = out.hidden_states[-1]
+            losses.append(F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+    return losses[0] + weight * torch.stack(losses[1:]).mean()
+
+
+@pytest.mark.parametrize("grad_passes", [1, 2, 4])
+def test_grad_passes_gradients_equal_the_truncated_reference(grad_passes):
+    model = tiny_model("llama", fusion="glu", jitter=0.0).train()
+    ids = random_ids(3, 9, seed=5)
+    K = 4
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(ids, labels=ids, num_passes=K, grad_passes=grad_passes)
+    got = torch.autograd.grad(out.loss, params, allow_unused=True)
+    ref_loss = reference_loss(model, ids, K, grad_passes)
+    want = torch.autograd.grad(ref_loss, params, allow_unused=True)
+    assert float(out.loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert out.grad_passes_run == grad_passes and out.passes_run == K
+    # the loss value is the full objective's; only its gradient is truncated
+    full = model(ids, labels=ids, num_passes=K)
+    assert float(out.loss.detach()) == pytest.approx(float(full.loss.detach()), rel=1e-6)
+    full_grads = torch.autograd.grad(full.loss, params, allow_unused=True)
+    differs = any(g is not None and f is not None and not torch.allclose(g, f, atol=1e-7)
+                  for g, f in zip(got, full_grads))
+    assert differs == (grad_passes < K)
+
+
+def test_grad_passes_one_gives_the_early_passes_no_gradient():
+    """With N = 1 the gradient is that of the last pass alone, fed a constant state: the embedding rows of tokens are
+    reached only through that pass, and pass 1's loss (L_1) contributes nothing."""
+    model = tiny_model("llama", fusion="glu", jitter=0.0).train()
+    ids = random_ids(2, 7, seed=1)
+    K = 3
+    with torch.no_grad():
+        h = model(ids, num_passes=K - 1).last_hidden_state
+    e = model.backbone.get_input_embeddings().weight[ids]
+    prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+    u = torch.where(feedback_mask(ids, model.config.doc_start_token_id).unsqueeze(-1), fuse(model, prev, e), e)
+    logits = model.backbone(inputs_embeds=u, use_cache=False).logits
+    last = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = torch.autograd.grad(last / (K - 1), params, allow_unused=True)  # λ mean(L_2..L_K): weight 1/(K-1)
+    got = torch.autograd.grad(model(ids, labels=ids, num_passes=K, grad_passes=1).loss, params, allow_unused=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_long_recurrence_arguments():
+    model = tiny_model("llama", fusion="glu")
+    ids = random_ids(1, 5)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="grad_passes"):
+            model(ids, num_passes=2, grad_passes=bad)
+    with pytest.raises(ValueError, match="pass_tol"):
+        model(ids, num_passes=2, pass_tol=-0.1)
+
+
+# ---------------------------------------------------------------------------------------------- K = T, early stop
+
+
+@pytest.mark.parametrize("fusion", ["glu", "residual"])
+def test_k_equal_t_training_forward_is_the_exact_recurrence(fusion):
+    model = tiny_model("llama", fusion=fusion, jitter=0.0)
+    if fusion == "residual":  # move the gain off 0, so the fed-back state matters
+        torch.nn.init.constant_(model.feedback.out_norm.weight, 0.5)
+    ids = random_ids(2, 8, seed=2)
+    T = ids.shape[1]
+    model.train()  # the training forward (jitter 0), gradients on
+    got = model(ids, labels=ids, num_passes=T).logits.detach()
+    model.eval()
+    torch.testing.assert_close(got, model.recurrent_forward(ids).logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, recurrence_logits(model, ids), rtol=1e-4, atol=1e-5)
+    # one pass fewer is exact only before the last position
+    short = model(ids, num_passes=T - 1).logits
+    torch.testing.assert_close(short[:, :-1], got[:, :-1], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(short[:, -1], got[:, -1], atol=1e-4)
+
+
+def rel_change(a, b) -> float:
+    return float((b - a).abs().max() / a.abs().max())
+
+
+@torch.no_grad()
+def test_early_stop_triggers_only_when_the_tolerance_is_met():
+    model = tiny_model("llama", fusion="glu")
+    ids = random_ids(2, 6, seed=4)
+    K = 10
+    hs = [model(ids, num_passes=k).last_hidden_state for k in range(1, K + 1)]
+    changes = [rel_change(a, b) for a, b in zip(hs, hs[1:])]
+    out = model(ids, labels=ids, num_passes=K, pass_tol=0.0)  # never met: every pass runs
+    assert out.passes_run == K and out.pass_changes == pytest.approx(changes, rel=1e-4, abs=1e-7)
+    # K = T + 1 passes reach the fixed point exactly: the change after pass T + 1 is 0
+    assert changes[6 - 1] < 1e-6 and min(changes[:6 - 1]) > 1e-4
+    # a tolerance just above a new running minimum of the changes: the first change below it is that one
+    j = next(i for i in range(1, len(changes)) if changes[i] * 1.001 < min(changes[:i]))
+    tol = changes[j] * 1.0005
+    assert all(c >= tol for c in changes[:j]) and changes[j] < tol
+    stopped = model(ids, labels=ids, num_passes=K, pass_tol=tol)
+    assert stopped.passes_run == j + 2  # pass j + 2 (1-based) is the first whose change is below tol
+    torch.testing.assert_close(stopped.logits, model(ids, num_passes=j + 2).logits)
+    full = model(ids, labels=ids, num_passes=j + 2)
+    # K entries: the skipped passes report the loss of the pass the passes stopped at
+    assert stopped.pass_losses.shape == (K,)
+    torch.testing.assert_close(stopped.pass_losses[:j + 2], full.pass_losses)
+    assert torch.all(stopped.pass_losses[j + 2:] == full.pass_losses[-1])
+    # a tolerance just below the smallest change never stops
+    assert model(ids, num_passes=K, pass_tol=min(changes) * 0.999).passes_run == K
+
+
+@torch.no_grad()
+def test_early_stop_in_the_no_gradient_passes_still_runs_the_gradient_passes():
+    model = tiny_model("llama", fusion="glu")
+    ids = random_ids(2, 6, seed=4)
+    K, N = 12, 2  # converges after pass 7 (T + 1), then the last N passes run from the fixed point
+    out = model(ids, labels=ids, num_passes=K, grad_passes=N, pass_tol=1e-6)
+    assert out.passes_run == 7 + N
+    torch.testing.assert_close(out.logits, model.recurrent_forward(ids).logits, rtol=1e-4, atol=1e-5)
+    assert out.pass_losses.shape == (K,)
+
+
+def test_early_stop_cannot_fill_a_cache():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", fusion="glu")
+    with pytest.raises(ValueError, match="cache"):
+        model(random_ids(1, 4), num_passes=2, pass_tol=0.1, cache=DynamicCache(), use_cache=True)
+
+
+# ---------------------------------------------------------------------------------------------- schedule, FLOPs, flags
+
+
+def test_curriculum_in_k_by_hand():
+    s = FeedbackSchedule(start_fraction=0.0, num_passes=5, deep_fraction=0.0, curriculum=0.5)
+    assert [s.passes_at(i, 8) for i in range(8)] == [2, 3, 4, 5, 5, 5, 5, 5]
+    s = FeedbackSchedule(start_fraction=0.5, num_passes=3, deep_fraction=0.0, curriculum=1.0)
+    assert [s.passes_at(i, 20) for i in range(20)] == [1] * 10 + [2] * 5 + [3] * 5
+    s = FeedbackSchedule(start_fraction=0.0, num_passes=4, deep_fraction=0.0)
+    assert [s.passes_at(i, 4) for i in range(4)] == [4] * 4
+    with pytest.raises(ValueError):
+        FeedbackSchedule(curriculum=1.5)
+    assert TrainConfig(pass_curriculum=0.5, num_passes=5).schedule().curriculum == 0.5
+
+
+def test_flops_of_passes_without_gradient_by_hand():
+    fp = {"matmul_params": 100, "fusion_params": 10, "layers": 1, "hidden": 4}
+    per_pass = 6 * 100 + 6 * 1 * 8 * 4  # 792 per token: 6N + 6 L T d at T = 8
+    full = training_flops([{"num_passes": 11}], 2, 8, fp)
+    assert full["flops"] == 2 * (11 * per_pass + 10 * 60)
+    # 11 passes, the last 2 with gradient: 9 forwards (a third each) + 2 full passes; pass 1 is a forward only
+    part = training_flops([{"num_passes": 11, "passes_run": 11, "grad_passes_run": 2}], 2, 8, fp)
+    assert part["flops"] == pytest.approx(2 * ((2 + 9 / 3) * per_pass + (2 + 8 / 3) * 60))
+    # an early stop after 5 passes, all with gradient
+    stop = training_flops([{"num_passes": 11, "passes_run": 5, "grad_passes_run": 5}], 2, 8, fp)
+    assert stop["flops"] == 2 * (5 * per_pass + 4 * 60)
+
+
+def test_train_flags_and_validation(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--grad-passes", "--pass-tol", "--pass-curriculum"):
+        assert flag in text
+    for bad in (dict(grad_passes=-1), dict(pass_tol=-0.5), dict(pass_curriculum=2.0)):
+        with pytest.raises(ValueError):
+            TrainConfig(out="x", **bad).validate()
+    assert TrainConfig(grad_passes=2, pass_tol=0.01).pass_options() == {"grad_passes": 2, "pass_tol": 0.01}
+    assert TrainConfig().pass_options() == {"grad_passes": None, "pass_tol": None}
+
+
+# ---------------------------------------------------------------------------------------------- the experiment
+
+
+def test_state_experiment_quick_end_to_end(tmp_path, capsys):
+    out = tmp_path / "state"
+    arms = "baseline-L,baseline-2L,baseline-4L,fbt-L,fbt-L-glu,baseline-L-flops,fbt-L-glu-g2,fbt-L-glu-tol"
+    assert cli.main(["experiment", "state", "--quick", "--out", str(out), "--json", "--arms", arms]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    res = json.loads((out / "results.json").read_text())
+    assert printed["table"] == res["table"]
+    s = res["settings"]
+    lengths = [s["length"], 2 * s["length"], 4 * s["length"]]
+    assert s["lengths"] == lengths and s["num_passes"] == s["length"] + 1
+    tasks = s["tasks"].split(",")
+    assert res["arms"] == arms.split(",")
+    cells = {(r["arm"], r["mode"], r["task"], r["length"]) for r in res["table"]}
+    for arm in res["arms"]:
+        modes = ["standard", "K=2", "exact"] if arm.startswith("fbt") else ["standard"]
+        assert list(res["runs"][arm]["correct"]) == modes + (["exact/zero", "exact/shuffle"] if arm.startswith("fbt")
+                                                              else [])
+        for mode in modes:
+            for task in tasks:
+                for n in lengths:
+                    assert (arm, mode, task, n) in cells
+                    v = res["runs"][arm]["correct"][mode][f"{task}/{n}"]
+                    assert len(v["pos"]) == len(v["last"]) == s["test_rows"] and len(v["by_position"]) == n
+                    row = next(r for r in res["table"] if (r["arm"], r["mode"], r["task"], r["length"])
+                               == (arm, mode, task, n))
+                    assert row["pos"]["estimate"] == pytest.approx(sum(v["pos"]) / len(v["pos"]))
+                    assert row["last"]["estimate"] == pytest.approx(sum(v["last"]) / len(v["last"]))
+    # equal tokens, except the equal-FLOPs control, which trains for the first FBT arm's FLOPs
+    runs = res["runs"]
+    assert len({runs[a]["tokens"] for a in res["arms"] if a != "baseline-L-flops"}) == 1
+    assert runs["baseline-L-flops"]["train_flops"] >= runs["fbt-L"]["train_flops"] * 0.99
+    assert runs["baseline-L-flops"]["steps"] > runs["baseline-L"]["steps"]
+    # the truncated-gradient arm costs less than the full one
+    assert runs["fbt-L-glu-g2"]["train_flops"] < runs["fbt-L-glu"]["train_flops"]
+    inter = {(r["arm"], r["task"], r["length"], r["intervention"]) for r in res["interventions"]}
+    assert len(inter) == sum(a.startswith("fbt") for a in res["arms"]) * len(tasks) * len(lengths) * 2
+    cost = res["cost"]
+    assert {(c["num_passes"], c["grad_passes"]) for c in cost} >= {(1, 1), (s["num_passes"], s["num_passes"]),
+                                                                  (s["num_passes"], 2), (s["num_passes"], 1)}
+    assert all(c["step_seconds"] > 0 and c["saved_mib"] > 0 for c in cost)
+    full = next(c for c in cost if c["num_passes"] == s["num_passes"] and c["grad_passes"] == s["num_passes"]
+                and c["pass_tol"] is None)
+    one = next(c for c in cost if c["grad_passes"] == 1 and c["num_passes"] == s["num_passes"])
+    assert one["saved_mib"] < full["saved_mib"] and one["flops_ratio"] < full["flops_ratio"]
+    assert (out / "state.png").stat().st_size > 0 and "| fbt-L | exact |" in (out / "report.md").read_text()
