@@ -19,11 +19,11 @@ class Crash(Exception):
     pass
 
 
-def _save(out, step, model, optimizer, marker: float):
+def _save(out, step, model, optimizer, marker: float, keep: int = 1):
     with torch.no_grad():
         model.feedback.out_norm.weight.fill_(marker)  # tells the checkpoints apart
     return C.save_checkpoint(str(out), step, DistEnv(), model, optimizer, torch.Generator().manual_seed(0),
-                             {"tokens": 0, "elapsed": 0.0, "config": {"marker": marker}, "guard": {}}, keep=1)
+                             {"tokens": 0, "elapsed": 0.0, "config": {"marker": marker}, "guard": {}}, keep=keep)
 
 
 def _marker(path) -> float:
@@ -136,48 +136,52 @@ def test_a_crash_while_resaving_a_step_leaves_a_complete_checkpoint(tmp_path, mo
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-0000003"]
 
 
-def test_the_window_between_moving_the_old_one_aside_and_renaming_the_new_one_in(tmp_path, monkeypatch,
-                                                                                  model_and_optimizer):
+@pytest.mark.parametrize("older", [False, True], ids=["only-step", "older-step-kept"])
+def test_a_crash_renaming_the_new_checkpoint_in_leaves_the_old_one_found(tmp_path, monkeypatch, model_and_optimizer,
+                                                                          older):
     """The crash the old code could not survive: it removed the old directory before the rename. Here the rename
-    of the new directory onto the step's name fails, whatever came before it: the old one is still found."""
+    of the new directory onto the step's name fails, whatever came before it: the old one, kept aside, is found and
+    ``--resume`` continues from it; with ``--keep-checkpoints 2`` and an older step still there, the interrupted
+    re-save is preferred to the older step."""
     model, opt = model_and_optimizer
-    _save(tmp_path, 3, model, opt, 0.25)
+    for step, marker in ((4, 0.125), (6, 0.25)) if older else ((6, 0.25),):
+        _save(tmp_path, step, model, opt, marker, keep=2)
     real = os.replace
 
     def replace(src, dst, *args, **kwargs):
-        if str(src).endswith(".tmp") and os.path.basename(str(dst)) == "step-0000003":
+        if str(src).endswith(".tmp") and os.path.basename(str(dst)) == "step-0000006":
             raise Crash("killed while renaming the new checkpoint in")
         return real(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(C.os, "replace", replace)
     with pytest.raises(Crash):
-        _save(tmp_path, 3, model, opt, 0.75)
+        _save(tmp_path, 6, model, opt, 0.375, keep=2)
     monkeypatch.undo()
-    assert not (tmp_path / "checkpoints" / "step-0000003").exists()  # the crash hit inside the swap
+    assert not (tmp_path / "checkpoints" / "step-0000006").exists()  # the crash hit inside the swap
     found = C.find_checkpoint(str(tmp_path))
-    assert found is not None and _marker(found) == 0.25
+    assert os.path.basename(found) == ".step-0000006.old" and _marker(found) == 0.25
     assert C.prepare_out(str(tmp_path), resume=True, overwrite=False) == found  # --resume continues from it
 
 
-def test_an_interrupted_resave_is_preferred_to_an_older_step(tmp_path, monkeypatch, model_and_optimizer):
-    """With --keep-checkpoints 2 an older step is still there: a crash inside the re-save of the newer step leaves
-    that step aside, and resuming continues from it, not from the older one."""
+# ----------------------------------------------------------------------------------------------- RNG on resharding
+
+
+def test_a_rank_the_saving_run_did_not_have_gets_the_shared_stream_and_its_own_seed(tmp_path, model_and_optimizer):
+    """Resuming on more processes than saved: rank 0's prefix-mixing stream (the same on every rank), and the
+    rank's own streams seeded from (seed, rank, step): reproducible, and unlike rank 0's and other ranks'."""
     model, opt = model_and_optimizer
-    for step, marker in ((4, 0.125), (6, 0.25)):
-        with torch.no_grad():
-            model.feedback.out_norm.weight.fill_(marker)
-        C.save_checkpoint(str(tmp_path), step, DistEnv(), model, opt, torch.Generator().manual_seed(0),
-                          {"tokens": 0, "elapsed": 0.0, "config": {}, "guard": {}}, keep=2)
-    real = os.replace
-
-    def replace(src, dst, *args, **kwargs):
-        if str(src).endswith(".tmp") and os.path.basename(str(dst)) == "step-0000006":
-            raise Crash("killed")
-        return real(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(C.os, "replace", replace)
-    with pytest.raises(Crash):
-        _save(tmp_path, 6, model, opt, 0.375)
-    monkeypatch.undo()
-    found = C.find_checkpoint(str(tmp_path))
-    assert os.path.basename(found) == ".step-0000006.old" and _marker(found) == 0.25
+    gen = torch.Generator().manual_seed(3)
+    torch.rand(5, generator=gen)
+    path = C.save_checkpoint(str(tmp_path), 4, DistEnv(), model, opt, gen,
+                             {"tokens": 0, "elapsed": 0.0, "config": {}, "guard": {}})
+    assert C.load_checkpoint(path, rank=0)["rng"].keys() >= {"torch", "python", "numpy", "prefix"}
+    draws = {}
+    for rank in (0, 1, 2, 1):
+        rng = C.load_checkpoint(path, rank=rank)["rng"]
+        assert rank == 0 or set(rng) == {"prefix"}
+        g = torch.Generator()
+        C.set_rng_state(rng, g, seed=C.fallback_seed(0, rank, 4))
+        draw = (torch.rand(3, generator=g).tolist(), torch.rand(3).tolist())
+        assert draws.setdefault(rank, draw) == draw  # the same rank: the same streams
+    assert draws[0][0] == draws[1][0] == draws[2][0] == torch.rand(3, generator=gen).tolist()  # shared stream
+    assert len({tuple(d[1]) for d in draws.values()}) == 3  # own streams differ

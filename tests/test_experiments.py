@@ -12,7 +12,7 @@ import pytest
 
 from fullband import cli
 from fullband.commands.data_efficiency import parse_multipliers
-from fullband.commands.experiment_common import crossing, loss_at
+from fullband.commands.experiment_common import crossing, curve_bootstrap, loss_at
 from fullband.eval.flops import flop_parameters, training_flops
 from fullband.utils.io import read_jsonl
 
@@ -42,6 +42,27 @@ def test_loss_at_matched_compute():
     assert loss_at(curve, 2e9)["loss"] == pytest.approx(4.0)
     assert loss_at(curve, 5e8) == {"loss": None, "status": "below_range"}
     assert loss_at(curve, 5e9) == {"loss": None, "status": "above_range"}
+
+
+def test_curve_bootstrap_is_paired_over_rows():
+    """Every model's rows share one per-row offset: a paired resample moves every mean by the same amount, so the
+    crossing (and the matched-budget difference) is the same in every resample -- a zero-width CI at the point
+    estimate; an unpaired resampling would spread it. FBT beyond the curve: both bounds beyond the range."""
+    noise = [0.9, -0.4, 0.3, -0.8, 0.0, 0.5, -0.2, 0.1]
+    xs, losses = [100.0, 200.0, 400.0], [5.0, 4.0, 3.0]
+    rows = [[y + n for n in noise] for y in losses]
+    fbt = [3.5 + n for n in noise]
+    point = crossing(list(zip(xs, [sum(r) / len(r) for r in rows])), sum(fbt) / len(fbt))
+    b = curve_bootstrap(xs, rows, fbt, reference=200.0, fbt_x=300.0, n_resamples=200)
+    m = b["multiplier"]
+    assert m["low"] == pytest.approx(point["x"] / 200.0) and m["high"] == pytest.approx(point["x"] / 200.0)
+    assert m["inside"] == 1.0 and m["low_status"] == m["high_status"] == "inside"
+    # at x = 300 the curve is at 4 - log(1.5)/log(2) = 3.415; FBT's 3.5 is 0.085 above it, in every resample
+    delta = 3.5 - (4.0 - math.log(1.5) / math.log(2.0))
+    assert b["matched_delta"]["low"] == pytest.approx(delta) and b["matched_delta"]["high"] == pytest.approx(delta)
+    better = curve_bootstrap(xs, rows, [2.0 + n for n in noise], reference=200.0, fbt_x=800.0, n_resamples=50)
+    assert better["multiplier"]["low"] is None and better["multiplier"]["low_status"] == "above_range"
+    assert better["multiplier"]["above"] == 1.0 and better["matched_delta"] is None  # x = 800: beyond the budgets
 
 
 @pytest.mark.parametrize("num_passes,grad_passes", [(1, None), (2, None), (3, 1), (3, 2)])
@@ -129,12 +150,27 @@ def test_data_efficiency_smoke(data, tmp_path, capsys):
         assert c["token_status"] in ("inside", "below_range", "above_range")
         assert (c["token_multiplier"] is None) == (c["token_status"] != "inside")
     assert (out / "report.md").is_file() and (out / "loss_vs_tokens_flops.png").is_file()
+    # the three controls: baseline-epochs re-reads exactly FBT's rows for FBT's passes (1 + 1 + 2 + 2 = 6 steps)
+    ep = res["baseline_epochs"]
+    assert ep["steps"] == 6 and ep["tokens"] == 6 * 64 and ep["unique_tokens"] == fbt["unique_tokens"] == 4 * 64
+    fl = res["baseline_flops"]  # the same FLOPs on fresh rows: reads further
+    assert fl["steps"] == 6 and fl["unique_tokens"] == fl["tokens"] == 6 * 64 and fl["flops"] == ep["flops"]
+    assert all(p["unique_tokens"] == p["tokens"] for p in res["baselines"])  # < one epoch: every row read once
+    for mode, c in res["comparisons"].items():
+        assert c["delta_epochs"] == pytest.approx(fbt["modes"][mode]["loss"] - ep["loss"])
+        assert c["delta_flops"] == pytest.approx(fbt["modes"][mode]["loss"] - fl["loss"])
+        for key in ("delta_epochs_ci", "delta_flops_ci", "delta_same_tokens_ci"):
+            assert c[key]["low"] <= c[key]["estimate"] <= c[key]["high"]
+        assert c["token_multiplier_ci"]["inside"] + c["token_multiplier_ci"]["below"] + c["token_multiplier_ci"]["above"] == 1
+    assert res["comparisons"]["standard"]["inference_flops"] == 1.0 < res["comparisons"]["passes"]["inference_flops"]
+    assert "baseline-epochs" in printed and "inference FLOPs" in printed and "equal unique tokens + FLOPs" in printed
     # same data order and the shared prefix: FBT's first steps are the 1x baseline's, bit for bit
     runs = out / "runs"
     train = lambda d: [r for r in read_jsonl(str(runs / d / "metrics.jsonl")) if r.get("split") == "train"]
     assert [r["loss"] for r in train("fbt-1.00x")[:2]] == [r["loss"] for r in train("baseline-1.00x")[:2]]
     assert train("baseline-0.50x")[0]["loss"] == train("baseline-1.50x")[0]["loss"]  # same first batch and init
-    assert all(r["num_passes"] == 1 for d in ("baseline-0.50x", "baseline-1.00x", "baseline-1.50x") for r in train(d))
+    assert all(r["num_passes"] == 1 for d in ("baseline-0.50x", "baseline-1.00x", "baseline-1.50x", "baseline-epochs",
+                                              "baseline-flops") for r in train(d))
     assert not os.path.exists(runs / "fbt-1.00x" / "checkpoints")
 
 

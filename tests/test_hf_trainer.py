@@ -117,3 +117,29 @@ def test_trl_sft_trainer_runs_the_pass_schedule(tmp_path):
     logs = [r for r in trainer.state.log_history if "num_passes" in r]
     assert [r["num_passes"] for r in logs] == [1, 1, 2, 2]
     assert all("loss_pass2" in r for r in logs[2:]) and not any("loss_pass2" in r for r in logs[:2])
+
+
+def test_trainer_follows_a_pass_mix_and_resets_the_fusion_at_a_plain_start(tmp_path):
+    """A pass mix through ``Trainer``: the logged K per step is what ``fullband train`` would draw with the same
+    options (``TrainConfig.schedule()``), and the fusion is re-initialised once, at the feedback start, even when
+    that step draws K = 1 (a reset tied to a K > 1 step would never happen then, leaving the fusion as it was built
+    at step 0). The seed is chosen here as the first whose start step draws K = 1 and whose later steps hold K > 1."""
+    steps, mix = 8, dict(feedback_start=0.25, num_passes=2, deep_fraction=0.0, pass_mix="1:0.5,2:0.5")
+    for seed in range(100):
+        cfg = TrainConfig(out="x", steps=steps, seed=seed, **mix)
+        want = [cfg.schedule().passes_at(s, steps) for s in range(steps)]
+        if want[2] == 1 and 2 in want[3:]:
+            break
+    else:
+        raise AssertionError("no seed of 100 draws K = 1 at the start and K = 2 later")
+    sched = PassSchedule.from_train_config(cfg, feedback_ramp=0.0, prefix_mix=0.0)
+    model = tiny_model(fusion="residual")
+    resets = []
+    real_reset = model.reset_feedback
+    model.reset_feedback = lambda *a, **k: (resets.append(1), real_reset(*a, **k))[1]
+    trainer = FullBandwidthTrainer(model=model, args=trainer_args(tmp_path, steps), train_dataset=Rows(random_ids(8, 16)),
+                                   pass_schedule=sched)
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "num_passes" in r]
+    assert [r["num_passes"] for r in logs] == want
+    assert len(resets) == 1

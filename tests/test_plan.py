@@ -81,7 +81,15 @@ def test_plan_arithmetic_by_hand():
     assert activation_bytes_per_token(p, 2, False, gpu_attention=True) == 5808
     # with checkpointing: L·d + one layer's (10d + 4f), bf16, plus the logits = (128 + 1152)·2 + 1200 = 3760
     assert activation_bytes_per_token(p, 2, True, gpu_attention=True) == 3760
-    assert mem["activations_without_checkpointing"] == 4 * 32 * 5808 * 2  # micro-batch tokens x K=2 graphs
+    assert mem["activations"] == 4 * 32 * 5808 * 2  # micro-batch tokens x K=2 graphs (no lever on)
+    # --activation-checkpointing --loss-chunk 48: no logits per token, (L·d + one layer's 10d + 4f)·2 bytes =
+    # (128 + 1152)·2 = 2560, x 128 tokens x 2 graphs = 655,360; plus one chunk's fp32 logits and gradient,
+    # 8 B x 48 x 300 = 115,200: 770,560. A chunk longer than the micro-batch counts the micro-batch's 128 positions.
+    assert activation_bytes_per_token(p, 2, True, gpu_attention=True, loss_chunk=48) == 2560
+    levers = make_plan(TrainConfig(**{**cfg.to_dict(), "activation_checkpointing": True, "loss_chunk": 48}), gpu="h100")
+    assert levers["memory_per_device_bytes"]["activations"] == 770_560
+    assert plan["activations_with_levers_bytes"] == 128 * 2560 * 2 + 8 * 128 * 300  # the levers' default 4096 chunk
+    assert levers["memory_per_device_bytes"]["weights"] == mem["weights"]
 
 
 def test_plan_of_a_tied_gpt2_small_shape_and_a_config_too_big_for_one_device():
@@ -96,7 +104,7 @@ def test_plan_of_a_tied_gpt2_small_shape_and_a_config_too_big_for_one_device():
     static = sum(v for k, v in plan["memory_per_device_bytes"].items() if not k.startswith("activations"))
     accum = plan["grad_accum_to_fit"]
     assert accum is not None and accum > 1 and 512 % accum == 0
-    per_row = plan["memory_per_device_bytes"]["activations_without_checkpointing"] / 512
+    per_row = plan["memory_per_device_bytes"]["activations"] / 512
     assert static + per_row * 512 / accum <= 0.9 * 141 * GIB < static + per_row * 512 / (accum // 2)
 
 

@@ -184,6 +184,27 @@ def test_token_dtype_follows_the_vocabulary(tmp_path, tok_dir, corpus_jsonl):
     assert os.path.getsize(tmp_path / "small" / shard["file"]) == 2 * shard["tokens"]
 
 
+def test_a_tokenizer_saved_with_truncation_and_padding_still_encodes_whole_documents(tmp_path, tok_dir):
+    """The workers encode with the backend directly (``encode_batch_fast``); a tokenizer.json that carries
+    truncation / padding settings must give the ids of a plain ``tok(text, add_special_tokens=False)`` call."""
+    from fullband.data.corpus import load_tokenizer
+
+    tok = load_tokenizer(tok_dir)
+    tok.backend_tokenizer.enable_truncation(max_length=5)
+    tok.backend_tokenizer.enable_padding(length=64, pad_id=0, pad_token="<|pad|>")
+    tok.save_pretrained(str(tmp_path / "trunc"))
+    assert json.loads((tmp_path / "trunc" / "tokenizer.json").read_text())["truncation"]["max_length"] == 5
+    texts = make_texts(12)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "prep"
+    assert prep(tmp_path / "t.jsonl", out, "--tokenizer", str(tmp_path / "trunc"), "--val-fraction", "0",
+                "--workers", "2", "--shard-mb", "0.0005") == 0
+    plain = load_tokenizer(tok_dir)
+    got = [d.tolist() for d in open_prepared(str(out), SEQ).documents("train")]
+    assert got == [encode(plain, t) for t in texts]
+    assert max(len(d) for d in got) > 64
+
+
 def test_manifest_fields_and_a_changed_tokenizer(corpus_jsonl, tok_dir, tmp_path, capsys):
     out = tmp_path / "p"
     assert prep(corpus_jsonl, out, "--vocab-size", "300", "--val-fraction", "0.2") == 0

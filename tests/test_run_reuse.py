@@ -96,6 +96,28 @@ def test_experiments_keep_a_finished_run_of_other_options(tmp_path, data, capsys
     assert {d: _stamps(de / "runs" / d) for d in os.listdir(de / "runs")} == stamps
 
 
+def test_quickstart_reuses_its_finished_runs(tmp_path, capsys):
+    """A second quickstart of the same options trains nothing (all four runs reused, the same tables; one of other
+    options is refused: the test above); the controls' directories are runs of their own (baseline-epochs
+    re-reading the FBT run's rows: --unique-batches)."""
+    out = tmp_path / "qs"
+    argv = ["quickstart", "--out", str(out), "--preset", "micro", "--steps", "4", "--batch-size", "2", "--seq-len",
+            "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "0", "--no-progress", "--quiet"]
+    assert cli.main(argv) == 0
+    runs = ("baseline", "fbt", "baseline-flops", "baseline-epochs")
+    stamps = {d: _stamps(out / d) for d in runs}
+    first = json.loads((out / "results.json").read_text())
+    saved = json.loads((out / "baseline-epochs" / "run_config.json").read_text())
+    assert saved["unique_batches"] == 4 and saved["steps"] == first["baseline_epochs_steps"] > 4
+    assert first["unique_train_tokens"]["baseline-epochs"] == first["unique_train_tokens"]["fbt"] == 4 * 2 * 32
+    assert first["unique_train_tokens"]["baseline-flops"] == first["train_tokens"]["baseline-flops"] > 4 * 2 * 32
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    assert {d: _stamps(out / d) for d in runs} == stamps
+    again = json.loads((out / "results.json").read_text())
+    assert again["table"] == first["table"] and again["decode_table"] == first["decode_table"]
+
+
 def test_a_reasoning_decode_is_not_reused_after_the_weights_change(tmp_path, capsys):
     out = tmp_path / "rs"
     argv = ["experiment", "reasoning", "--quick", "--out", str(out), "--no-progress", "--num-seeds", "1",

@@ -402,6 +402,13 @@ def _add_train(sub) -> None:
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="auto: bf16 autocast on a GPU that supports it, else fp32")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--compile", action="store_true", help="also K1_compile and K2_compile (fullband train --compile)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="also K2_ac (fullband train --activation-checkpointing)")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
+                   help="also K2_chunk, the loss N positions at a time (fullband train --loss-chunk N)")
+    p.add_argument("--memory", action="store_true",
+                   help="measure each case's peak memory of a step (Linux) instead of its time")
     p.set_defaults(func=_run)
 
 

@@ -1,12 +1,19 @@
-"""``fullband bench train``: training step time and tokens/s for K = 1, K = 2 and K = 2 with a stop-gradient state.
+"""``fullband bench train``: training step time and tokens/s for K = 1, K = 2 and K = 2 with a stop-gradient state,
+and the memory and speed levers of ``fullband train`` against them.
 
 Owns :func:`benchmark_train` (the full step: forward, backward, clip, AdamW, on random tokens, with the engine's
-:func:`fullband.training.engine.forward_backward` and optimizer) and :func:`format_benchmark`; ``fullband bench``
-(:mod:`fullband.commands.bench`) registers the sub-command.
+:func:`fullband.training.engine.forward_backward`, :func:`~fullband.training.engine.prepare_layers` and optimizer)
+and :func:`format_benchmark`; ``fullband bench`` (:mod:`fullband.commands.bench`) registers the sub-command.
+``--compile`` adds the rows ``K1_compile`` and ``K2_compile``, ``--activation-checkpointing`` the row ``K2_ac``,
+``--loss-chunk N`` the row ``K2_chunk``. ``--memory`` measures instead of times: each case's peak memory during one
+step above its memory before it (on CPU the resident set: Linux ``VmHWM``, reset through ``/proc/self/clear_refs``,
+with glibc serving every block over 1 MiB by its own ``mmap`` so that freed tensors leave the resident set; on CUDA
+``torch.cuda.max_memory_allocated``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import torch
@@ -17,17 +24,47 @@ from ..model.feedback import build_feedback_mask
 from ..model.modeling import FullBandwidthForCausalLM
 from ..training import distributed as D
 from ..training.config import TrainConfig
-from ..training.device import autocast_context, tune_cpu_allocator
-from ..training.engine import forward_backward
+from ..training.device import autocast_context, load_average, tune_cpu_allocator
+from ..training.engine import forward_backward, prepare_layers
 from ..training.optimizer import build_optimizer
 from ..training.presets import backbone_config
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise ValueError(f"--memory needs Linux's /proc/self/status ({field} not found)")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+
+
+def _mmap_big_blocks() -> bool:
+    """glibc: every allocation over 1 MiB its own ``mmap``, unmapped when freed (so RSS follows live tensors)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
 def benchmark_train(args) -> dict:
     """``fullband bench train``: seconds per optimizer step and tokens/s for K = 1, K = 2 and K = 2 with a
-    stop-gradient fed-back state, on random tokens (the full step: forward, backward, clip, AdamW)."""
+    stop-gradient fed-back state, on random tokens (the full step: forward, backward, clip, AdamW), and the rows
+    of the levers asked for (``--compile``, ``--activation-checkpointing``, ``--loss-chunk N``); with
+    ``--memory``, each case's peak memory of one step instead of its time."""
     hf_logging.disable_progress_bar()
-    tuned = tune_cpu_allocator()  # as `fullband train` does
+    memory = getattr(args, "memory", False)
+    compile_, ac, chunk = (getattr(args, "compile", False), getattr(args, "activation_checkpointing", False),
+                           getattr(args, "loss_chunk", 0))
+    if chunk < 0:
+        raise ValueError(f"--loss-chunk must be >= 0 (0: off), got {chunk}")
+    load_before = load_average()
     preset = getattr(args, "preset", "tiny")
     batch = getattr(args, "batch_size", 16)
     seq = getattr(args, "seq_len", 256)
@@ -36,6 +73,9 @@ def benchmark_train(args) -> dict:
     warmup = getattr(args, "warmup", 2)
     device = D.resolve_device(getattr(args, "device", "auto"))
     autocast, precision = autocast_context(getattr(args, "precision", "auto"), device)
+    if memory and device.type != "cuda":
+        _rss_kib("VmHWM")  # a one-line error off Linux
+    tuned = _mmap_big_blocks() if memory else tune_cpu_allocator()  # timing: as `fullband train` does
     for name, v in (("--batch-size", batch), ("--seq-len", seq), ("--steps", steps)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -46,58 +86,114 @@ def benchmark_train(args) -> dict:
     ids = torch.randint(3, vocab, (batch, seq), generator=g)
     ids[:, 0] = 1
     ids = ids.to(device)
-    cases = [("K1", 1, False), ("K2", 2, False), ("K2_detach", 2, True)]
+    # (label, K, detach, levers): the levers are prepare_layers' and the K-pass forward's loss options
+    cases = [("K1", 1, False, {}), ("K2", 2, False, {}), ("K2_detach", 2, True, {})]
+    if compile_:
+        cases += [("K1_compile", 1, False, {"compile": True}), ("K2_compile", 2, False, {"compile": True})]
+    if ac:
+        cases.append(("K2_ac", 2, False, {"checkpointing": True}))
+    if chunk:
+        cases.append(("K2_chunk", 2, False, {"loss_chunk": chunk}))
     cfg = TrainConfig(out="-", preset=preset)
     setups = {}
-    for label, K, detach in cases:
+    for label, K, detach, levers in cases:
         torch.manual_seed(0)
         backbone = AutoModelForCausalLM.from_config(backbone_config(preset, vocab, bos_token_id=1, eos_token_id=2,
                                                                     pad_token_id=0, max_position_embeddings=max(2048, seq)))
         model = FullBandwidthForCausalLM.from_backbone(backbone, doc_start_token_id=1, detach_state=detach).to(device).train()
-        setups[label] = (model, build_optimizer(model, cfg, device), K)
+        prepare_layers(model, levers.get("compile", False), levers.get("checkpointing", False))
+        setups[label] = (model, build_optimizer(model, cfg, device), K, levers.get("loss_chunk"))
     mask = build_feedback_mask(ids, None, 1)
 
+    last_cpu = {}  # the process CPU time of each case's last step (immune to other processes' load, one thread)
+
     def one_step(label) -> float:
-        model, opt, K = setups[label]
+        model, opt, K, loss_chunk = setups[label]
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        forward_backward(model, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], K, autocast)
+        c0, t0 = time.process_time(), time.perf_counter()
+        forward_backward(model, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], K, autocast,
+                         loss_chunk=loss_chunk)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        last_cpu[label] = time.process_time() - c0
         return time.perf_counter() - t0
 
+    def peak_bytes(label) -> int:
+        """Peak memory during one step of ``label`` above the memory before it: resident memory on CPU, the
+        caching allocator's allocated bytes on CUDA."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            one_step(label)
+            return torch.cuda.max_memory_allocated(device) - before
+        _reset_peak_rss()
+        before = _rss_kib("VmRSS")
+        one_step(label)
+        return (_rss_kib("VmHWM") - before) * 1024
+
+    if memory:  # the cases one after another (each case's warm-up first: compiled code, gradients, AdamW state)
+        peaks = {}
+        for label, *_ in cases:
+            for _ in range(max(1, warmup)):
+                one_step(label)
+            peaks[label] = [peak_bytes(label) for _ in range(steps)]
+        results = {label: {"num_passes": K, "detach_state": detach, **levers,
+                           "peak_step_bytes": min(peaks[label]), "peak_step_bytes_all": peaks[label]}
+                   for label, K, detach, levers in cases}
+        return {"preset": preset, "batch_size": batch, "seq_len": seq, "vocab_size": vocab, "device": str(device),
+                "precision": precision, "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup,
+                "memory": True, "mmap_big_blocks": tuned, "results": results,
+                "load_average": [load_before, load_average()]}
     # rounds of one step per case, interleaved, so that a change in machine load hits every case alike
     times = {label: [] for label, *_ in cases}
+    cpu_times = {label: [] for label, *_ in cases}
     for i in range(warmup + steps):
         for label, *_ in cases:
             t = one_step(label)
             if i >= warmup:
                 times[label].append(t)
+                cpu_times[label].append(last_cpu[label])
     results = {}
-    for label, K, detach in cases:
+    for label, K, detach, levers in cases:
         ts = sorted(times[label])
         med = ts[len(ts) // 2]
-        results[label] = {"num_passes": K, "detach_state": detach, "step_s": med, "tokens_per_s": batch * seq / med,
-                          "step_s_min": ts[0], "step_s_all": times[label]}
+        results[label] = {"num_passes": K, "detach_state": detach, **levers, "step_s": med,
+                          "tokens_per_s": batch * seq / med, "step_s_min": ts[0], "step_s_all": times[label],
+                          "step_cpu_s": sorted(cpu_times[label])[len(ts) // 2], "step_cpu_s_all": cpu_times[label]}
+    for label in list(results):  # a lever's speed against the same K without it (wall clock and CPU time)
+        base = label.split("_")[0]
+        if label not in ("K2_detach", base):
+            results[label]["speedup_vs_" + base] = results[base]["step_s"] / results[label]["step_s"]
+            results[label]["cpu_speedup_vs_" + base] = results[base]["step_cpu_s"] / results[label]["step_cpu_s"]
     ratio = results["K2"]["step_s"] / results["K1"]["step_s"]
     return {"preset": preset, "batch_size": batch, "seq_len": seq, "vocab_size": vocab, "device": str(device),
             "precision": precision, "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup,
-            "allocator_tuned": tuned,
+            "allocator_tuned": tuned, "load_average": [load_before, load_average()],
             "results": results, "ratio_K2_K1": ratio,
             "ratio_K2_detach_K1": results["K2_detach"]["step_s"] / results["K1"]["step_s"],
             "goal_ratio_K2_K1": 2.1, "meets_goal": ratio <= 2.1}
 
 
 def format_benchmark(res: dict) -> str:
-    lines = [f"fullband bench train: preset {res['preset']}, batch {res['batch_size']} x {res['seq_len']} tokens, "
-             f"{res['device']} {res['precision']}, {res['threads']} thread(s), median of {res['steps']} steps",
-             "", "| case | step (s) | tokens/s |", "| --- | ---: | ---: |"]
+    head = (f"fullband bench train: preset {res['preset']}, batch {res['batch_size']} x {res['seq_len']} tokens, "
+            f"vocabulary {res['vocab_size']:,}, {res['device']} {res['precision']}, {res['threads']} thread(s), "
+            f"load {res['load_average'][0]} -> {res['load_average'][1]}")
+    if res.get("memory"):
+        lines = [head + f", least of {res['steps']} steps", "", "| case | peak memory of a step (MiB) |",
+                 "| --- | ---: |"]
+        lines += [f"| {label} | {r['peak_step_bytes'] / 2**20:,.1f} |" for label, r in res["results"].items()]
+        return "\n".join(lines)
+    lines = [head + f", median of {res['steps']} steps",
+             "", "| case | step (s) | CPU time (s) | tokens/s | speed-up over the same K without the lever (wall, CPU) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for label, r in res["results"].items():
-        lines.append(f"| {label} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} |")
+        gain = ", ".join(f"{v:.2f}x" for k, v in r.items() if "speedup_vs_" in k)
+        lines.append(f"| {label} | {r['step_s']:.3f} | {r['step_cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | {gain} |")
     lines += ["", f"K=2 / K=1 = {res['ratio_K2_K1']:.2f} (goal <= {res['goal_ratio_K2_K1']}: "
                   f"{'met' if res['meets_goal'] else 'NOT met'}); K=2 detached / K=1 = {res['ratio_K2_detach_K1']:.2f}"]
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Owns the benchmark: it writes a synthetic jsonl corpus of ``--gb`` GB (Zipf-dist
 of 100..4000 words, seeded) under ``--workdir``, runs ``fullband data prepare`` on it with ``--workers`` processes,
 then ``fullband train --steps 1`` on the prepared directory and on the embedded corpus; each command is a
 subprocess whose process tree is polled with psutil every 0.25 s for its peak memory (the main process's RSS,
-and the tree's PSS summed over its processes, workers included). It prints one JSON object (load average and
+and the tree's PSS summed over its processes, workers included) and whose CPU-seconds are counted (the whole
+tree's, so the prepare's rate per CPU-second end to end includes reading, the split, the BPE and the main process). It prints one JSON object (load average and
 CPU count included) and deletes the generated files unless ``--keep``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -41,7 +43,7 @@ def write_corpus(path: str, gb: float, seed: int = 0) -> dict:
 
     A pool of 2048 documents of Zipf-distributed pseudo-words (20,000 of them, 1..9 letters) is drawn once; each
     line of the file joins the tail of one pool document to the head of another at random cut points (fast to
-    write: the text needs no JSON escaping). Lines are written in blocks of 4096 (about 27 MB), so the file
+    write: the text needs no JSON escaping). Lines are written in blocks of 4096 (about 55 MB), so the file
     overshoots ``gb`` by up to one block."""
     rng = np.random.default_rng(seed)
     letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
@@ -68,9 +70,11 @@ def write_corpus(path: str, gb: float, seed: int = 0) -> dict:
 
 
 def measure(cmd: list[str], env: dict) -> dict:
-    """Run ``cmd``; wall time, exit code, and peak RSS (MB) of its main process and of its whole tree."""
+    """Run ``cmd``; wall time, exit code, CPU-seconds of its whole tree (``getrusage`` of the waited-for children:
+    the command and, through it, its workers), and peak RSS (MB) of its main process and of its whole tree."""
     import psutil
 
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = {"main": 0, "tree": 0}
@@ -96,8 +100,10 @@ def measure(cmd: list[str], env: dict) -> dict:
     out, err = proc.communicate()
     stop.set()
     thread.join()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return {"cmd": " ".join(cmd[2:]) if cmd[:2] == [sys.executable, "-m"] else " ".join(cmd),
-            "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 2),
+            "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 2), "cpu_s_tree": round(cpu, 2),
             "peak_rss_mb_main": round(peak["main"] / 2**20, 1), "peak_pss_mb_tree": round(peak["tree"] / 2**20, 1),
             "stdout": out, "stderr_tail": err[-1000:]}
 
@@ -119,6 +125,7 @@ def run_bench(args) -> int:
             raise ValueError(f"prepare failed: {p['stderr_tail'].strip().splitlines()[-1:]}")
         manifest = json.loads(p.pop("stdout"))
         p["run"] = manifest["run"]
+        p["mb_per_cpu_s_tree"] = round(manifest["run"]["text_mb"] / max(p["cpu_s_tree"], 1e-9), 3)  # end to end
         p["tokens"], p["documents"], p["dtype"] = manifest["tokens"], manifest["documents"], manifest["dtype"]
         result["prepare"] = p
         result["load_avg_after_prepare"] = list(os.getloadavg())

@@ -440,20 +440,27 @@ def report(res: dict, text: str) -> str:
     return "\n".join(lines)
 
 
+def add_model_arguments(r, defaults: dict) -> None:
+    """The options of the synthetic-task experiments' models and runs (``depth``, ``state``): ``--out``,
+    ``--overwrite``, ``--layers``, ``--hidden``, ``--heads``, ``--steps``, ``--batch-size``, ``--lr``; defaults from
+    ``defaults``."""
+    r.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
+    add_overwrite_argument(r)
+    r.add_argument("--layers", type=int, default=defaults["layers"], help="L (default: %(default)s)")
+    r.add_argument("--hidden", type=int, default=defaults["hidden"], help="model width (default: %(default)s)")
+    r.add_argument("--heads", type=int, default=defaults["heads"], help="attention heads (default: %(default)s)")
+    r.add_argument("--steps", type=int, default=defaults["steps"], help="steps per arm (default: %(default)s)")
+    r.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help="rows per step (default: %(default)s)")
+    r.add_argument("--lr", type=float, default=defaults["lr"], help="peak LR (default: %(default)s)")
+
+
 def add_parser(ex) -> None:
     """Register ``fullband experiment depth`` on the ``experiment`` sub-parsers."""
     r = ex.add_parser("depth", help="k-hop pointer chasing / iterated composition: does FBT(L) reach baseline(2L)? "
                                     "accuracy per k and decode mode",
                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--out", default=DEFAULTS["out"], help="output directory (default: %(default)s)")
-    add_overwrite_argument(r)
-    r.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="L (default: %(default)s)")
-    r.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="model width (default: %(default)s)")
-    r.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")
-    r.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="steps per arm (default: %(default)s)")
-    r.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
-                   help="rows per step (default: %(default)s)")
-    r.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak LR (default: %(default)s)")
+    add_model_arguments(r, DEFAULTS)
     r.add_argument("--tasks", default=DEFAULTS["tasks"], help="comma-separated: pointer, compose, modsum "
                                                               "(default: %(default)s)")
     r.add_argument("--max-k", type=int, default=DEFAULTS["max_k"], help="largest k (default: %(default)s)")

@@ -1,7 +1,9 @@
 """What the experiments share: the recipe options, the paired baseline/FBT training, the ``--overwrite``
 option (which finished runs are reused and which are refused is
-:func:`fullband.training.pretrain.run_differences`'s), and reading a baseline curve
-(where it reaches a loss, its loss at a budget)."""
+:func:`fullband.training.pretrain.run_differences`'s), the controls of an FBT run (``baseline-flops``: the plain
+model for the FBT run's training FLOPs, reading further; ``baseline-epochs``: the plain model for those FLOPs on
+exactly the FBT run's unique rows, re-read epoch after epoch), and reading a baseline curve (where it reaches a
+loss, its loss at a budget, both with bootstrap CIs over the held-out rows)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import os
 import shutil
 import sys
 
+import numpy as np
+
+from ..data.order import distinct_rows_read
+from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, step_dir_name
+from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig, make_config, same_path
 from ..training.pretrain import finished, read_summary, refuse_changed_runs, train
-from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from .quickstart import copy_branch
+from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 
 # recipe knobs shared by both experiments: (flag, TrainConfig field, type)
 RECIPE = (("--feedback-start", "feedback_start", float), ("--num-passes", "num_passes", int),
@@ -100,6 +106,13 @@ def add_common_arguments(p, defaults: dict) -> None:
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT run from scratch instead of branching it off the 1.0x baseline at the "
                         "feedback start (the two are bit-identical until then)")
+    if "flops_baseline" in defaults:  # an experiment that trains the baseline-flops control
+        p.add_argument("--no-flops-baseline", action="store_true",
+                       help="skip baseline-flops (the plain model for the FBT run's training FLOPs, reading further)")
+    if "epochs_baseline" in defaults:  # an experiment that trains the baseline-epochs control
+        p.add_argument("--no-epochs-baseline", action="store_true",
+                       help="skip baseline-epochs (the plain model for the FBT run's training FLOPs on exactly its "
+                            "unique rows, re-read epoch after epoch)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--quiet", action="store_true", help="print only the tables")
@@ -130,6 +143,57 @@ def base_config(args, out: str, steps: int, data: str, **extra):
 def plain_config(cfg):
     """The baseline of ``cfg``: K = 1 on every step (the FBT class with feedback never on = its backbone)."""
     return dataclasses.replace(cfg, num_passes=1, deep_passes=1)
+
+
+def flops_matched_steps(fbt_cfg) -> int:
+    """Steps of a plain run with as many training FLOPs as ``fbt_cfg``'s run (every pass counted, rounded up)."""
+    return math.ceil(sum(fbt_cfg.schedule().passes_at(i, fbt_cfg.steps) for i in range(fbt_cfg.steps)))
+
+
+def flops_config(fbt_cfg, out: str):
+    """``baseline-flops``: the plain model trained for the FBT run's FLOPs (:func:`flops_matched_steps`), its own
+    full LR schedule, reading further in the data order (more unique tokens than the FBT run)."""
+    steps = flops_matched_steps(fbt_cfg)
+    return dataclasses.replace(plain_config(fbt_cfg), out=out, steps=steps,
+                               eval_every=steps if fbt_cfg.eval_every else 0)
+
+
+def epochs_config(fbt_cfg, out: str):
+    """``baseline-epochs``: the plain model trained for the FBT run's FLOPs on exactly its unique rows (the rows
+    of its ``steps`` batches from its ``--data-offset``: ``--unique-batches``), re-read in a fresh order each
+    epoch; its own full LR schedule (a run of that many steps, not a continuation)."""
+    return dataclasses.replace(flops_config(fbt_cfg, out), unique_batches=fbt_cfg.steps)
+
+
+def unique_tokens(cfg, corpus) -> int:
+    """The unique training tokens a run reads: its distinct rows (:func:`fullband.data.order.distinct_rows_read`)
+    times the row length."""
+    return cfg.seq_len * distinct_rows_read(cfg.steps, cfg.batch_size, corpus.train_rows.shape[0], cfg.seed,
+                                            getattr(corpus, "order", "randperm"), cfg.data_offset,
+                                            cfg.unique_batches)
+
+
+def train_or_reuse(cfg, corpus, name: str | None = None) -> dict:
+    """The summary of ``cfg``'s run: the finished run in ``cfg.out`` when it is this very run (same options, data
+    and initial model), else trained from scratch (check :func:`refuse_changed_runs` before)."""
+    if finished(cfg, corpus):
+        return read_summary(cfg.out)
+    summary = train(cfg, overwrite=True, corpus=corpus, name=name or run_name(cfg))
+    check_done(summary)
+    return summary
+
+
+def copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
+    """Seed a branch run (``fbt_dir``) with the baseline's checkpoint at ``step`` (and its log up to there)."""
+    if os.path.isdir(fbt_dir):
+        _clear_outputs(fbt_dir)
+    os.makedirs(os.path.join(fbt_dir, CKPT_DIR), exist_ok=True)
+    name = step_dir_name(step)  # the plain step name `latest` must hold, whatever the source directory is called
+    shutil.copytree(ckpt, os.path.join(fbt_dir, CKPT_DIR, name))
+    atomic_write_text(os.path.join(fbt_dir, CKPT_DIR, LATEST), name + "\n")
+    shutil.copytree(os.path.join(base_dir, TOKENIZER_DIR), os.path.join(fbt_dir, TOKENIZER_DIR))
+    rows = [r for r in read_jsonl(os.path.join(base_dir, METRICS)) if r.get("step", 0) <= step]
+    rewrite_jsonl(os.path.join(fbt_dir, METRICS), rows)
 
 
 def branch_step(base_cfg, other_cfg) -> int:
@@ -241,6 +305,49 @@ def loss_at(points: list[tuple[float, float]], x: float) -> dict:
             frac = 0.0 if x1 == x0 else (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return {"loss": y0 + frac * (y1 - y0), "status": "inside"}
     return {"loss": pts[-1][1], "status": "inside"}
+
+
+def _resampled_means(rows: np.ndarray, seed: int, n_resamples: int) -> np.ndarray:
+    """``[n_resamples, models]`` means of ``rows`` ``[models, rows]`` over row indices drawn with replacement (one
+    draw per resample, shared by every model: paired)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, rows.shape[1], size=(n_resamples, rows.shape[1]))
+    return np.stack([rows[:, i].mean(axis=1) for i in idx])
+
+
+def curve_bootstrap(xs: list[float], curve_rows, fbt_rows, reference: float, fbt_x: float, seed: int = 0,
+                    n_resamples: int = 2000, confidence: float = 0.95) -> dict:
+    """Percentile-bootstrap CIs, over the held-out rows (each resample one draw of row indices for every model), of
+    the two readings of a baseline curve: the multiplier (:func:`crossing` of FBT's mean loss, over
+    ``reference``) and the matched-budget difference (FBT's mean minus the curve's :func:`loss_at` ``fbt_x``).
+
+    ``xs``: the budget of each baseline, ``curve_rows``: their per-row losses ``[baselines][rows]``, ``fbt_rows``:
+    FBT's. A resample whose crossing falls outside the budgets counts as below (``-inf``) or above (``+inf``) the
+    range, so a bound outside the range is reported as ``None`` with its side in ``low_status`` / ``high_status``;
+    the fractions of resamples inside / below / above are returned too."""
+    rows = np.asarray([list(map(float, r)) for r in curve_rows] + [list(map(float, fbt_rows))], dtype=np.float64)
+    means = _resampled_means(rows, seed, n_resamples)
+    mult, delta = np.empty(n_resamples), np.full(n_resamples, np.nan)
+    for i, m in enumerate(means):
+        curve = list(zip(xs, m[:-1].tolist()))
+        c = crossing(curve, float(m[-1]))
+        mult[i] = c["x"] / reference if c["status"] == "inside" else (-np.inf if c["status"] == "below_range" else np.inf)
+        at = loss_at(curve, fbt_x)
+        if at["loss"] is not None:
+            delta[i] = m[-1] - at["loss"]
+    alpha = (1.0 - confidence) / 2.0
+    lo, hi = np.quantile(mult, [alpha, 1.0 - alpha], method="inverted_cdf")  # sample values: no inf arithmetic
+    side = lambda v: "inside" if np.isfinite(v) else ("below_range" if v < 0 else "above_range")  # noqa: E731
+    out = {"multiplier": {"low": float(lo) if np.isfinite(lo) else None, "high": float(hi) if np.isfinite(hi) else None,
+                          "low_status": side(lo), "high_status": side(hi), "confidence": confidence,
+                          "inside": float(np.isfinite(mult).mean()), "below": float((mult == -np.inf).mean()),
+                          "above": float((mult == np.inf).mean())},
+           "matched_delta": None, "n_resamples": n_resamples}
+    ok = ~np.isnan(delta)
+    if ok.mean() >= 1.0 - alpha:  # the matched budget inside the budgets for (nearly) every resample
+        dlo, dhi = np.quantile(delta[ok], [alpha, 1.0 - alpha])
+        out["matched_delta"] = {"low": float(dlo), "high": float(dhi), "confidence": confidence}
+    return out
 
 
 def describe_multiplier(c: dict, reference: float, smallest: float, largest: float) -> str:

@@ -13,17 +13,21 @@ What it does (defaults sized for a few minutes on 2 CPU cores):
    feedback steps at K = 4, prefix mixing, jitter. The two runs are identical, bit for bit, up to the feedback start
    (same seed and data, K = 1, no random draws), so that shared prefix is trained once: the baseline stops at the
    start step with a checkpoint, the FBT run resumes from a copy of it with its feedback settings
-   (``--no-share-prefix`` trains both from scratch instead). A third run, ``baseline-flops``, is the baseline
-   trained for as many FLOPs as the FBT run (every pass counted), for the equal-FLOPs comparison
-   (``--no-flops-baseline`` skips it);
+   (``--no-share-prefix`` trains both from scratch instead). Two controls are trained for as many FLOPs as the
+   FBT run (every pass counted), each with its own full LR schedule: ``baseline-flops`` reads further in the data
+   order (more unique tokens; ``--no-flops-baseline`` skips it), ``baseline-epochs`` re-reads exactly the rows the
+   FBT run read, in a fresh order each epoch (``--unique-batches``: the same unique tokens;
+   ``--no-epochs-baseline`` skips it). Finished runs of the same options and data are reused;
 3. evaluates on the same held-out rows: whole rows in ``standard`` / K-pass / ``exact`` mode, and the continuation
-   of each row after a prompt in every decode mode (``standard``, ``soft``, ``fused``, ``exact``), each with the
-   paired difference to the baseline at equal tokens and at equal FLOPs; checks the recipe's targets (the best
+   of each row after a prompt in every decode mode (``standard``, ``soft``, ``fused``, ``exact``), each with its
+   inference FLOPs relative to ``standard`` (:func:`fullband.eval.flops.inference_flops`) and the paired
+   difference to the baseline at equal tokens and to both controls; checks the recipe's targets (the best
    feedback mode no worse than the model's own standard mode, exact within 0.02 nats of K passes, no mode
    collapsing);
 4. samples a few continuations of held-out prompts per decode mode;
 5. writes ``OUT/report.md`` (tables, targets, curves, samples), ``OUT/results.json``, ``OUT/curves.png``, and the
-   models with their tokenizer in ``OUT/baseline/``, ``OUT/fbt/`` and ``OUT/baseline-flops/``; prints the tables.
+   models with their tokenizer in ``OUT/baseline/``, ``OUT/fbt/``, ``OUT/baseline-flops/`` and
+   ``OUT/baseline-epochs/``; prints the tables.
 
 ``results.json`` has ``baseline_val_loss`` and ``fbt_val_loss`` (FBT in ``exact`` mode: the model as it decodes
 with feedback), plus every mode's figure.
@@ -32,27 +36,26 @@ with feedback), plus every mode's figure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import platform
-import shutil
 import sys
 import time
 
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..eval.flops import flop_parameters, inference_flops
 from ..eval.scoring import load_any_model, row_losses
 from ..model.generation import MODES, generate
-from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, step_dir_name
-from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig
 from ..training.device import load_average, tune_cpu_allocator
-from ..training.pretrain import build_tokenizer_and_corpus, refuse_changed_runs, spread_rows, train
-from ..utils.io import atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
+from ..training.pretrain import build_tokenizer_and_corpus, refuse_changed_runs, spread_rows
+from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.plotting import plot_loss_curves
 from ..utils.stats import bootstrap_ci
+from .experiment_common import copy_branch  # noqa: F401  (its home was here: still importable from here)
+from .experiment_common import epochs_config, flops_config, train_or_reuse, train_pair, unique_tokens
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=300, batch_size=16, seq_len=128,
                 vocab_size=4096, seed=0, feedback_start=TrainConfig().feedback_start, num_passes=2, eval_rows=128, samples=3,
@@ -72,24 +75,11 @@ def _configs(args):
                   device=args.device, save_every=0)
     base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
     fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
-    # the baseline given as many training FLOPs as the FBT run (every pass counted): more steps, same schedule shape
-    flops_steps = math.ceil(sum(fbt.schedule().passes_at(i, fbt.steps) for i in range(fbt.steps)))
-    flops = TrainConfig(out=os.path.join(args.out, "baseline-flops"), num_passes=1, deep_passes=1,
-                        **{**common, "steps": flops_steps})
-    return base, fbt, flops
-
-
-def copy_branch(base_dir: str, fbt_dir: str, ckpt: str, step: int) -> None:
-    """Seed the FBT run with the baseline's checkpoint at the feedback start (and its log up to there)."""
-    if os.path.isdir(fbt_dir):
-        _clear_outputs(fbt_dir)
-    os.makedirs(os.path.join(fbt_dir, CKPT_DIR), exist_ok=True)
-    name = step_dir_name(step)  # the plain step name `latest` must hold, whatever the source directory is called
-    shutil.copytree(ckpt, os.path.join(fbt_dir, CKPT_DIR, name))
-    atomic_write_text(os.path.join(fbt_dir, CKPT_DIR, LATEST), name + "\n")
-    shutil.copytree(os.path.join(base_dir, TOKENIZER_DIR), os.path.join(fbt_dir, TOKENIZER_DIR))
-    rows = [r for r in read_jsonl(os.path.join(base_dir, METRICS)) if r.get("step", 0) <= step]
-    rewrite_jsonl(os.path.join(fbt_dir, METRICS), rows)
+    # the baseline given as many training FLOPs as the FBT run (every pass counted): more steps, same schedule
+    # shape; reading further (baseline-flops) or re-reading exactly the FBT run's rows (baseline-epochs)
+    flops = flops_config(fbt, os.path.join(args.out, "baseline-flops"))
+    epochs = epochs_config(fbt, os.path.join(args.out, "baseline-epochs"))
+    return base, fbt, flops, epochs
 
 
 def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tokens: int, new_tokens: int,
@@ -127,41 +117,54 @@ def _ci(d: dict | None) -> str:
     return "" if d is None else f"{d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
 
 
+# the controls beside the baseline at equal tokens: (key, run name, what it matches)
+CONTROLS = (("flops", "baseline-flops", "equal FLOPs, more unique tokens"),
+            ("epochs", "baseline-epochs", "equal unique tokens + FLOPs"))
+
+
 def _table(rows: list[dict]) -> str:
     prompt = rows[0]["prompt_tokens"]
     what = (f"continuation after a {prompt}-token prompt, {rows[0]['tokens']:,} tokens" if prompt
             else f"whole rows, {rows[0]['tokens']:,} tokens")
-    lines = [f"| model | mode ({what}) | val loss (nats/token) | perplexity | Δ vs baseline, equal tokens [95% CI] | "
-             "Δ vs baseline, equal FLOPs [95% CI] |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    head = " | ".join(f"Δ vs {name}, {match} [95% CI]" for _, name, match in CONTROLS)
+    lines = [f"| model | mode ({what}) | val loss (nats/token) | perplexity | inference FLOPs (× standard) | "
+             f"Δ vs baseline, equal tokens [95% CI] | {head} |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {_ci(r.get('delta'))} "
-                     f"| {_ci(r.get('delta_flops'))} |")
-    if "flops_baseline_loss" in rows[0]:
-        lines.append(f"| baseline-flops | standard (FBT's training FLOPs) | {rows[0]['flops_baseline_loss']:.4f} | "
-                     f"{math.exp(min(rows[0]['flops_baseline_loss'], 50.0)):.2f} | | |")
+        deltas = " | ".join(_ci(r.get(f"delta_{key}")) for key, _, _ in CONTROLS)
+        lines.append(f"| {r['model']} | {r['label']} | {r['loss']:.4f} | {r['perplexity']:.2f} | "
+                     f"{r['inference_flops']:.3f} | {_ci(r.get('delta'))} | {deltas} |")
+    for key, name, match in CONTROLS:
+        if f"{key}_baseline_loss" in rows[0]:
+            loss = rows[0][f"{key}_baseline_loss"]
+            lines.append(f"| {name} | standard ({match}) | {loss:.4f} | {math.exp(min(loss, 50.0)):.2f} | "
+                         f"{rows[0]['inference_flops']:.3f} | | | |")
     return "\n".join(lines)
 
 
-def _score_table(plan, rows, K: int, prompt: int, baseline_flops, seed: int) -> list[dict]:
-    """Per (model, mode) the mean held-out loss of ``rows`` (tokens after ``prompt``), with the paired difference to
-    the first line's model (equal tokens) and to ``baseline_flops`` (equal training FLOPs): percentile bootstraps
-    over rows of the per-row differences."""
+def _score_table(plan, rows, K: int, prompt: int, controls: dict, seed: int) -> list[dict]:
+    """Per (model, mode) the mean held-out loss of ``rows`` (tokens after ``prompt``) and its inference FLOPs
+    relative to ``standard`` (:func:`fullband.eval.flops.inference_flops`), with the paired difference to the first
+    line's model (equal tokens) and to each control in ``controls`` (``{key: model}`` of :data:`CONTROLS`):
+    percentile bootstraps over rows of the per-row differences."""
     out, base_rows = [], None
-    flops_rows = row_losses(baseline_flops, rows, "standard", prompt_length=prompt) if baseline_flops is not None else None
+    control_rows = {key: row_losses(m, rows, "standard", prompt_length=prompt) for key, m in controls.items()}
     tokens = int(rows[:, max(1, prompt):].numel())
     for model_name, model, label, mode in plan:
         per_row = row_losses(model, rows, mode, num_passes=K, prompt_length=prompt)
         loss = float(per_row.mean())
+        cost = inference_flops(mode, flop_parameters(model), rows.shape[1], prompt, num_passes=K)
         entry = {"model": model_name, "label": label, "mode": mode, "num_passes": K if mode == "passes" else None,
-                 "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "prompt_tokens": prompt}
+                 "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "prompt_tokens": prompt,
+                 "inference_flops": cost["relative"], "inference_flops_per_token": cost["flops_per_token"],
+                 "sequential_calls": cost["sequential_calls"]}
         if base_rows is None:
             base_rows = per_row
-            if flops_rows is not None:
-                entry["flops_baseline_loss"] = float(flops_rows.mean())
+            for key, r in control_rows.items():
+                entry[f"{key}_baseline_loss"] = float(r.mean())
         else:
             entry["delta"] = bootstrap_ci((per_row - base_rows).tolist(), seed=seed).as_dict()
-            if flops_rows is not None:
-                entry["delta_flops"] = bootstrap_ci((per_row - flops_rows).tolist(), seed=seed).as_dict()
+            for key, r in control_rows.items():
+                entry[f"delta_{key}"] = bootstrap_ci((per_row - r).tolist(), seed=seed).as_dict()
         out.append(entry)
     return out
 
@@ -208,12 +211,12 @@ def run_quickstart(args) -> dict:
         args.score_prompt = max(1, min(32, args.seq_len // 4))
     if not 1 <= args.score_prompt < args.seq_len - 1:
         raise ValueError(f"--score-prompt must be in [1, --seq-len - 1), got {args.score_prompt}")
-    base_cfg, fbt_cfg, flops_cfg = _configs(args)
-    for c in (base_cfg, fbt_cfg, flops_cfg):
+    base_cfg, fbt_cfg, flops_cfg, epochs_cfg = _configs(args)
+    for c in (base_cfg, fbt_cfg, flops_cfg, epochs_cfg):
         c.validate()
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
-    # ---- data (once, for both runs)
+    # ---- data (once, for every run)
     t = time.perf_counter()
     corpus = build_tokenizer_and_corpus(fbt_cfg)
     t_data = time.perf_counter() - t
@@ -221,29 +224,20 @@ def run_quickstart(args) -> dict:
         f"{corpus.val_rows.numel():,} held-out tokens ({len(corpus.val_docs)} works: {', '.join(corpus.val_docs)}); "
         f"{t_data:.1f}s")
 
-    # ---- training (a finished run of other options or data is kept unless --overwrite: checked before anything)
-    refuse_changed_runs([base_cfg, fbt_cfg] + ([] if args.no_flops_baseline else [flops_cfg]), corpus, args.overwrite)
+    # ---- training (a finished run of the same options and data is reused; one of other options or data is kept
+    # unless --overwrite: checked before anything is trained)
+    flops_run = None if args.no_flops_baseline else flops_cfg
+    epochs_run = None if args.no_epochs_baseline else epochs_cfg
+    refuse_changed_runs([c for c in (base_cfg, fbt_cfg, flops_run, epochs_run) if c is not None], corpus,
+                        args.overwrite)
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
-    share = (not args.no_share_prefix) and 0 < start < fbt_cfg.steps
     t = time.perf_counter()
-    if share:
-        first = train(dataclasses.replace(base_cfg, stop_after=start), overwrite=True, corpus=corpus,
-                      name="baseline+fbt (shared K=1 steps)")
-        copy_branch(base_cfg.out, fbt_cfg.out, first["checkpoint"], start)
-        base_sum = train(base_cfg, resume=True, corpus=corpus, name="baseline")
-        fbt_sum = train(fbt_cfg, resume=True, corpus=corpus, name="fbt")
-    else:
-        base_sum = train(base_cfg, overwrite=True, corpus=corpus, name="baseline")
-        fbt_sum = train(fbt_cfg, overwrite=True, corpus=corpus, name="fbt")
-    flops_sum = (train(flops_cfg, overwrite=True, corpus=corpus, name="baseline (FBT's training FLOPs)")
-                 if not args.no_flops_baseline else None)
+    _, _, shared = train_pair(base_cfg, fbt_cfg, corpus, share=not args.no_share_prefix, longer_cfg=flops_run,
+                              overwrite=args.overwrite)
+    # the new arm's own training time (as its run recorded it; a reused run's from when it was trained)
+    t_epochs = (train_or_reuse(epochs_run, corpus, name="baseline-epochs (FBT's unique rows for its training FLOPs)")
+                .get("elapsed", 0.0) if epochs_run is not None else 0.0)
     t_train = time.perf_counter() - t
-    for s in (base_sum, fbt_sum, flops_sum):
-        if s is not None and s["status"] != "done":
-            raise RuntimeError(f"training did not finish: {s['message']}")
-    # the checkpoints served their purpose; the final models are in baseline/, fbt/ and baseline-flops/
-    for d in (base_cfg.out, fbt_cfg.out, flops_cfg.out):
-        shutil.rmtree(os.path.join(d, "checkpoints"), ignore_errors=True)
 
     # ---- evaluation: the saved models, reloaded (checks they load), on the same held-out rows
     t = time.perf_counter()
@@ -253,17 +247,18 @@ def run_quickstart(args) -> dict:
     say(f"quickstart: evaluating on {rows.shape[0]} of {corpus.val_rows.shape[0]} held-out rows "
         f"({rows[:, 1:].numel():,} predicted tokens)")
     K = args.num_passes
-    baseline_flops = None if args.no_flops_baseline else load_any_model(flops_cfg.out, device="cpu")[0]
+    controls = {key: load_any_model(c.out, device="cpu")[0]
+                for key, c in (("flops", flops_run), ("epochs", epochs_run)) if c is not None}
     # whole rows (every token after the first): the K-pass and exact figures of training's objective
     plan = [("baseline", baseline, "standard", "standard"),
             ("FBT", fbt, "standard (K=1, no feedback)", "standard"),
             ("FBT", fbt, f"passes (K={K}, teacher-forced)", "passes"),
             ("FBT", fbt, "exact (token-by-token recurrence)", "exact")]
-    table_rows = _score_table(plan, rows, K, 0, baseline_flops, args.seed)
+    table_rows = _score_table(plan, rows, K, 0, controls, args.seed)
     # continuations after a prompt, as decoding sees them: every decode mode on the same tokens
     decode_plan = [("baseline", baseline, "standard", "standard")] + [
         ("FBT", fbt, mode, mode) for mode in MODES]
-    decode_rows = _score_table(decode_plan, rows, K, args.score_prompt, baseline_flops, args.seed)
+    decode_rows = _score_table(decode_plan, rows, K, args.score_prompt, controls, args.seed)
     t_eval = time.perf_counter() - t
 
     # ---- samples
@@ -280,6 +275,8 @@ def run_quickstart(args) -> dict:
                      title=f"quickstart: {args.preset}, {base_cfg.steps} steps x {base_cfg.batch_size * base_cfg.seq_len:,} tokens")
     wall = time.perf_counter() - t_all
     by = {e["mode"] if e["model"] == "FBT" else "baseline": e for e in table_rows}
+    arms = [(run, c) for run, c in (("baseline", base_cfg), ("fbt", fbt_cfg), ("baseline-flops", flops_run),
+                                    ("baseline-epochs", epochs_run)) if c is not None]
     results = {
         "baseline_val_loss": by["baseline"]["loss"],
         "fbt_val_loss": by["exact"]["loss"],
@@ -297,18 +294,24 @@ def run_quickstart(args) -> dict:
         "fbt_minus_baseline_flops": {e["mode"]: e.get("delta_flops") for e in table_rows if e["model"] == "FBT"},
         "baseline_flops_steps": None if args.no_flops_baseline else flops_cfg.steps,
         "baseline_flops_val_loss": table_rows[0].get("flops_baseline_loss"),
+        "fbt_minus_baseline_epochs": {e["mode"]: e.get("delta_epochs") for e in table_rows if e["model"] == "FBT"},
+        "baseline_epochs_steps": None if args.no_epochs_baseline else epochs_cfg.steps,
+        "baseline_epochs_val_loss": table_rows[0].get("epochs_baseline_loss"),
+        "unique_train_tokens": {run: unique_tokens(c, corpus) for run, c in arms},
+        "train_tokens": {run: c.steps * c.batch_size * c.seq_len for run, c in arms},
         "targets": _targets(table_rows, decode_rows),
         "recipe": {k: getattr(fbt_cfg, k) for k in RECIPE_FIELDS},
         "train_tokens_per_model": base_cfg.steps * base_cfg.batch_size * base_cfg.seq_len,
         "steps": base_cfg.steps, "batch_size": base_cfg.batch_size, "seq_len": base_cfg.seq_len,
         "preset": args.preset, "parameters": sum(p.numel() for p in baseline.parameters()),
         "fusion_parameters": sum(p.numel() for p in fbt.feedback.parameters()),
-        "feedback_start_step": start, "shared_prefix_steps": start if share else 0,
+        "feedback_start_step": start, "shared_prefix_steps": shared,
         "num_passes": K, "deep_passes": fbt_cfg.deep_passes, "deep_fraction": fbt_cfg.deep_fraction,
         "prefix_mix": fbt_cfg.prefix_mix, "jitter": fbt_cfg.jitter, "fusion_lr_mult": fbt_cfg.fusion_lr_mult,
         "lr": fbt_cfg.resolved_lr(), "seed": args.seed, "val_documents": corpus.val_docs,
         "train_documents": len(corpus.train_docs), "corpus_train_tokens": corpus.train_rows.numel(),
-        "seconds": {"data": t_data, "train": t_train, "eval": t_eval, "samples": t_samples, "total": wall},
+        "seconds": {"data": t_data, "train": t_train, "train_baseline_epochs": t_epochs, "eval": t_eval,
+                    "samples": t_samples, "total": wall},
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": [load_start, load_average()],
         "torch": torch.__version__, "platform": platform.platform(),
         "samples": samples, "sampling": how, "fbt_default_mode": fbt.config.default_feedback_mode,
@@ -341,9 +344,20 @@ def _report(res: dict, table: str, args) -> str:
         f"FBT recipe: plain (K=1) for the first {res['feedback_start_step']} steps, then K={res['num_passes']} with "
         f"{res['deep_fraction']:.0%} of the feedback steps at K={res['deep_passes']}, prefix mixing "
         f"p={res['prefix_mix']}, jitter {res['jitter']}; recipe {res['recipe']}.",
-        (f"A third run, `baseline-flops`, is the baseline trained for {res['baseline_flops_steps']} steps: as many "
-         "training FLOPs as the FBT run (every pass counted), for the equal-FLOPs column."
-         if res["baseline_flops_steps"] else "No equal-FLOPs baseline was trained (--no-flops-baseline)."),
+        (f"`baseline-flops` is the baseline trained for {res['baseline_flops_steps']} steps: as many training FLOPs "
+         "as the FBT run (every pass counted), reading further in the data order "
+         f"({res['unique_train_tokens']['baseline-flops']:,} unique tokens)."
+         if res["baseline_flops_steps"] else "No `baseline-flops` was trained (--no-flops-baseline)."),
+        (f"`baseline-epochs` is the baseline trained for {res['baseline_epochs_steps']} steps, the same FLOPs, on "
+         f"exactly the FBT run's {res['unique_train_tokens']['baseline-epochs']:,} unique tokens (the rows of its "
+         f"{res['steps']} batches, `--unique-batches {res['steps']}`), re-read in a fresh order each epoch "
+         f"({res['train_tokens']['baseline-epochs'] / res['train_tokens']['fbt']:.2f} epochs); its own full LR "
+         f"schedule, trained in {res['seconds']['train_baseline_epochs']:.0f}s."
+         if res["baseline_epochs_steps"] else "No `baseline-epochs` was trained (--no-epochs-baseline)."),
+        "Inference FLOPs: forward FLOPs of scoring the table's rows in that mode over `standard`'s on the same rows "
+        "(`fullband.eval.flops.inference_flops`: K-pass = K passes over the row, logits once; exact = one "
+        "token-by-token pass over a KV cache, standard's FLOPs plus a fusion per token but T sequential calls; "
+        "soft / fused = the prompt in 1 / 1 + prefill passes, then one fused step per continuation token).",
         (f"The first {res['shared_prefix_steps']} steps are identical for both runs (K=1, same seed and data, no random "
          "draws) and were trained once: the FBT run continued from the baseline's checkpoint at that step."
          if res["shared_prefix_steps"] else "Both runs were trained from scratch."),
@@ -384,7 +398,7 @@ def _report(res: dict, table: str, args) -> str:
         f"CPUs (1-minute load average {res['load_average'][0]} at the start, {res['load_average'][1]} at the end), "
         f"torch {res['torch']}.",
         "",
-        "Models: `baseline/` and `fbt/` (`save_pretrained` + tokenizer; `import fullband` then "
+        "Models: `baseline/`, `fbt/` and the controls' directories (`save_pretrained` + tokenizer; `import fullband` then "
         "`AutoModelForCausalLM.from_pretrained(dir)`), metrics in each `metrics.jsonl`, figures in `results.json`.",
         "",
         f"Reproduce: `fullband quickstart --steps {res['steps']} --preset {res['preset']} --seed {res['seed']}`.",
@@ -421,6 +435,9 @@ def add_parser(sub) -> None:
                         "at most 32)")
     p.add_argument("--no-flops-baseline", action="store_true",
                    help="skip the baseline trained for as many FLOPs as the FBT run (no equal-FLOPs comparison)")
+    p.add_argument("--no-epochs-baseline", action="store_true",
+                   help="skip the baseline trained for as many FLOPs as the FBT run on exactly its unique rows, "
+                        "re-read epoch after epoch (no equal-unique-tokens + equal-FLOPs comparison)")
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT model from scratch instead of branching it off the baseline at the feedback start")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

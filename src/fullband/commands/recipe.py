@@ -1,9 +1,10 @@
 """``fullband experiment recipe``: which feedback recipe keeps feedback from hurting its own model, measured.
 
-Owns the recipe grid (:data:`ARMS`), its runs, its evaluation and its report. One plain **trunk** per seed is
-trained first (constant LR after warmup, saved as the plain HF checkpoint it is); every arm then continues that
-trunk for the same number of steps on the same next batches (``--init-from`` the trunk, ``--data-offset`` where it
-stopped), so the arms differ only in what the arm says:
+Owns the recipe grid (:data:`ARMS`), its runs and their evaluation (the analysis and the report are
+:mod:`fullband.commands.recipe_report`'s). One plain **trunk** per seed is trained first (constant LR after warmup,
+saved as the plain HF checkpoint it is); every arm then continues that trunk for the same number of steps on the
+same next batches (``--init-from`` the trunk, ``--data-offset`` where it stopped), so the arms differ only in what
+the arm says:
 
 * baselines (K = 1): ``baseline`` (WSD: constant, then a linear decay over the last 30%), ``baseline-decayed``
   (the LR the shipped recipe switches feedback on at: cosine from 0.25x down to 0.1x of the peak) and
@@ -14,7 +15,15 @@ stopped), so the arms differ only in what the arm says:
   clipping, lambda ramped over 20%) -> the token-preserving ``residual`` entry (``u = e + GLU(h, e)``, exactly the
   plain model at switch-on) -> K = 3 / a fusion-only phase / the ``add`` and ``concat`` entries; plus the public
   reproduction's retrofit (GLU, K = 2 at a constant LR, no levers; its SFT-with-K=3 stage needs chat data and is
-  not run here).
+  not run here);
+* the paper's own recipe, trained **from scratch** for ``--trunk-steps`` + ``--branch-steps`` steps (not off the
+  trunk; WSD over the whole run, the last 20% a linear cooldown), not in the default grid: ``paper`` (pure GLU, tied
+  input/output embeddings, K drawn per batch from 75% K = 1 / 22% K = 2 / 3% K = 3 from step 0), ``paper-k3``
+  (the same with K = 3 on every batch) and ``residual-k3-all`` (the residual entry, untied, K = 3 on every batch),
+  against plain models of the same steps, schedule and tying (``baseline-tied``, ``baseline-scratch``) and, at
+  equal FLOPs, against the same plain models trained ``--scratch-flops-multiplier`` times longer
+  (``baseline-tied-flops``, ``baseline-scratch-flops``). Their FLOPs count the whole run, the branched arms' only
+  the branch (the trunk is shared): compare each family with its own baselines.
 
 Every run is evaluated on the same held-out rows (documents never trained on) in every mode: ``standard``,
 K = 2 and K = 3 teacher-forced passes, ``exact`` (the token-by-token recurrence), and decoding-style ``soft`` and
@@ -53,16 +62,15 @@ from ..training.distributed import resolve_device
 from ..training.presets import get_preset
 from ..training.pretrain import build_tokenizer_and_corpus, rows_fingerprint, spread_rows, train
 from ..utils.io import atomic_write_json, read_jsonl
-from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
 from .experiment_common import (
     add_overwrite_argument,
     apply_quick,
     finished,
     pick_arms,
     refuse_changed_runs,
-    save_png,
     write_outputs,
 )
+from .recipe_report import analyse, best_feedback_arm, plot, report, tables
 
 # ---------------------------------------------------------------------------------------------- the grid
 
@@ -71,6 +79,10 @@ _DECAYED = dict(lr_schedule="cosine", warmup_fraction=0.0, min_lr_ratio=0.4)  # 
 _CONSTANT = dict(lr_schedule="constant", warmup_fraction=0.05)
 _WARM = dict(fusion_lr_mult=10.0, fusion_warmup=0.1, clip_per_group=True, feedback_ramp=0.2)
 _PAPER_K = dict(num_passes=2, deep_passes=4, deep_fraction=0.1)
+# the arms trained from scratch: WSD over trunk + branch steps, feedback (if any) from step 0
+_SCRATCH = dict(lr_schedule="wsd", warmup_fraction=0.05, decay_fraction=0.2, min_lr_ratio=0.1, feedback_start=0.0)
+_PAPER_MIX = dict(num_passes=3, deep_fraction=0.0, pass_mix="1:0.75,2:0.22,3:0.03")  # the paper's per-batch mix
+_K3_ALL = dict(num_passes=3, deep_fraction=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +93,8 @@ class Arm:
     lr_scale: float = 1.0  # x the preset's peak LR
     reference: str = "baseline"  # the equal-token baseline arm with the same LR schedule
     default: bool = True
+    scratch: bool = False  # trained from scratch for --trunk-steps + --branch-steps (not branched off the trunk)
+    flops_of: str | None = None  # a FLOP-matched baseline: of this plain arm, x --(scratch-)flops-multiplier steps
 
 
 ARMS: tuple[Arm, ...] = (
@@ -104,13 +118,39 @@ ARMS: tuple[Arm, ...] = (
     Arm("retrofit-repro", "public reproduction's retrofit: paper GLU, K=2, constant LR, no levers",
         dict(fusion="glu", num_passes=2, deep_fraction=0.0, **_CONSTANT), reference="baseline-constant"),
 )
+
+
+def _scratch(name: str, description: str, reference: str, tied: bool, **settings) -> Arm:
+    return Arm(name, description, dict(tie_embeddings=tied, **settings, **_SCRATCH), reference=reference,
+               scratch=True, default=False)
+
+
+def _flops_arm(of: Arm, multiplier: str) -> Arm:
+    return Arm(f"{of.name}-flops", f"{of.name} trained {multiplier} times as many steps (the equal-FLOPs reference)",
+               of.settings, of.lr_scale, reference=of.name, default=False, scratch=of.scratch, flops_of=of.name)
+
+
+ARMS += (  # from scratch, trunk + branch steps: the paper's recipe and its plain references
+    _scratch("baseline-scratch", "plain, untied, from scratch for trunk + branch steps, WSD (cooldown over the last "
+                                 "20%)", "baseline-scratch", False, num_passes=1),
+    _scratch("baseline-tied", "baseline-scratch with tied input/output embeddings", "baseline-tied", True,
+             num_passes=1),
+    _scratch("paper", "the paper's recipe from scratch: pure GLU, tied embeddings, K per batch 75% 1 / 22% 2 / 3% 3 "
+                      "from step 0, WSD", "baseline-tied", True, fusion="glu", **_PAPER_MIX),
+    _scratch("paper-k3", "paper with K=3 on every batch", "baseline-tied", True, fusion="glu", **_K3_ALL),
+    _scratch("residual-k3-all", "paper-k3 with the residual entry u = e + GLU(h, e) and an untied head",
+             "baseline-scratch", False, fusion="residual", **_K3_ALL),
+)
+ARMS += tuple(_flops_arm(next(a for a in ARMS if a.name == name), mult) for name, mult in (
+    ("baseline", "--flops-multiplier"), ("baseline-scratch", "--scratch-flops-multiplier"),
+    ("baseline-tied", "--scratch-flops-multiplier")))
 ARM_BY_NAME = {a.name: a for a in ARMS}
-FLOPS_BASELINE = "baseline-flops"
+FLOPS_OF = {a.flops_of: a.name for a in ARMS if a.flops_of}  # equal-token baseline -> its FLOP-matched baseline
 FBT_MODES = (("standard", 1), ("passes", 2), ("passes", 3), ("exact", None), ("soft", None), ("fused", None))
 
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "recipe"), preset="tiny", trunk_steps=250, branch_steps=100,
                 batch_size=16, seq_len=128, vocab_size=4096, seeds="0,1", eval_rows=64, prompt_tokens=32,
-                flops_multiplier=2.3)
+                flops_multiplier=2.3, scratch_flops_multiplier=3.1)
 QUICK = dict(preset="micro", trunk_steps=6, branch_steps=4, batch_size=4, seq_len=32, vocab_size=300, eval_rows=4,
              prompt_tokens=8)
 
@@ -127,7 +167,7 @@ def mode_key(mode: str, k: int | None) -> str:
 _PINNED = dict(fusion="glu", lr_schedule="cosine", warmup_fraction=0.05, decay_fraction=0.2, min_lr_ratio=0.1,
                num_passes=2, deep_passes=4, deep_fraction=0.1, fusion_lr_mult=1.0, fusion_warmup=0.0,
                clip_per_group=False, feedback_ramp=0.0, fusion_only=0.0, prefix_mix=0.25, jitter=0.02,
-               feedback_weight=1.0, feedback_start=0.75)
+               feedback_weight=1.0, feedback_start=0.75, pass_mix=None, tie_embeddings=None)
 
 
 def _config(args, out: str, steps: int, seed: int, **extra) -> TrainConfig:
@@ -193,17 +233,43 @@ def _elapsed(out: str) -> float | None:
         return None
 
 
+def arm_steps(args, arm: Arm) -> int:
+    """Steps of ``arm``: ``--branch-steps`` off the trunk, ``--trunk-steps`` + ``--branch-steps`` from scratch, and
+    a FLOP-matched baseline's multiplier times the steps of the baseline it continues."""
+    if arm.flops_of:
+        mult = args.scratch_flops_multiplier if arm.scratch else args.flops_multiplier
+        return math.ceil(arm_steps(args, ARM_BY_NAME[arm.flops_of]) * mult)
+    return args.trunk_steps + args.branch_steps if arm.scratch else args.branch_steps
+
+
+def complete_arms(names: list[str]) -> list[Arm]:
+    """The arms to train for the ``names`` asked for: those, each one's equal-token baseline (and ``baseline`` when
+    one branches off the trunk) and the FLOP-matched baseline of every baseline that has one (listed last)."""
+    wanted = set(names)
+    if any(not ARM_BY_NAME[n].scratch for n in names):
+        wanted.add("baseline")
+    wanted |= {ARM_BY_NAME[n].reference for n in wanted}
+    wanted |= {FLOPS_OF[n] for n in wanted if n in FLOPS_OF}
+    return ([a for a in ARMS if a.name in wanted and not a.flops_of]
+            + [a for a in ARMS if a.name in wanted and a.flops_of])
+
+
+def uses_trunk(trunk_cfg: TrainConfig, cfgs: dict[str, TrainConfig]) -> bool:
+    return any(cfg.init_from == trunk_cfg.out for cfg in cfgs.values())
+
+
 def seed_plan(args, seed: int, arms: list[Arm]) -> tuple[TrainConfig, dict[str, TrainConfig]]:
-    """The trunk's config of one seed and every arm's (the FLOP-matched baseline last), validated."""
+    """The trunk's config of one seed and every arm's, validated (an arm from scratch reads the batches the trunk
+    and a branch read, in the same order)."""
     root = os.path.join(args.out, f"seed{seed}")
     peak = args.lr or get_preset(args.preset).lr
     trunk_cfg = _config(args, os.path.join(root, "trunk"), args.trunk_steps, seed, num_passes=1, lr=peak,
                         lr_schedule="constant", warmup_fraction=0.05)
-    plan = [(a.name, a.settings, a.lr_scale, args.branch_steps) for a in arms]
-    plan.append((FLOPS_BASELINE, dict(num_passes=1, **_WSD), 1.0, math.ceil(args.branch_steps * args.flops_multiplier)))
-    cfgs = {name: _config(args, os.path.join(root, name), steps, seed, init_from=trunk_cfg.out, feedback_start=0.0,
-                          lr=peak * lr_scale, data_offset=args.trunk_steps, **settings)
-            for name, settings, lr_scale, steps in plan}
+    cfgs = {}
+    for a in arms:
+        branch = {} if a.scratch else dict(init_from=trunk_cfg.out, feedback_start=0.0, data_offset=args.trunk_steps)
+        cfgs[a.name] = _config(args, os.path.join(root, a.name), arm_steps(args, a), seed, lr=peak * a.lr_scale,
+                               **branch, **a.settings)
     trunk_cfg.validate()
     for cfg in cfgs.values():  # the trunk they continue may not exist yet
         dataclasses.replace(cfg, init_from=None).validate()
@@ -211,9 +277,9 @@ def seed_plan(args, seed: int, arms: list[Arm]) -> tuple[TrainConfig, dict[str, 
 
 
 def run_seed(args, seed: int, trunk_cfg: TrainConfig, cfgs: dict[str, TrainConfig], corpus, say) -> dict:
-    """Trunk, every arm and the FLOP-matched baseline of one seed (finished runs of the same options, data and
-    trunk are reused); per-row losses of each (run, mode)."""
-    if not finished(trunk_cfg, corpus):
+    """Trunk (when an arm branches off it), every arm and the FLOP-matched baselines of one seed (finished runs of
+    the same options, data and trunk are reused); per-row losses of each (run, mode)."""
+    if uses_trunk(trunk_cfg, cfgs) and not finished(trunk_cfg, corpus):
         say(f"recipe: seed {seed}: trunk, {args.trunk_steps} plain steps")
         _train(trunk_cfg, corpus, f"seed {seed} trunk")
     rows = spread_rows(corpus.val_rows, args.eval_rows)
@@ -227,118 +293,6 @@ def run_seed(args, seed: int, trunk_cfg: TrainConfig, cfgs: dict[str, TrainConfi
             "scored_tokens": int(rows.shape[0] * (rows.shape[1] - args.prompt_tokens))}
 
 
-# ---------------------------------------------------------------------------------------------- analysis
-
-
-def _interp_rows(lo: list[float], hi: list[float], f_lo: float, f_hi: float, f: float) -> list[float] | None:
-    """Per-row baseline loss at FLOPs ``f``, linear in log FLOPs between two baseline runs (None outside)."""
-    if not f_lo <= f <= f_hi * (1 + 1e-9):
-        return None
-    w = 0.0 if f_hi == f_lo else (math.log(f) - math.log(f_lo)) / (math.log(f_hi) - math.log(f_lo))
-    return [a + w * (b - a) for a, b in zip(lo, hi)]
-
-
-def analyse(seeds: list[dict], arms: list[Arm], boot_seed: int = 0) -> list[dict]:
-    """One table row per (arm, mode): loss per seed and mean, paired deltas at equal tokens and equal FLOPs."""
-    table = []
-    for arm in arms:
-        first = seeds[0]["runs"][arm.name]
-        for mode in first["losses"]:
-            per_seed, d_tok, d_flop, d_self, flop_ok = [], [], [], [], True
-            for s in seeds:
-                runs = s["runs"]
-                run, ref = runs[arm.name], runs[arm.reference]
-                mine = run["losses"][mode]
-                per_seed.append(sum(mine) / len(mine))
-                d_tok.append([a - b for a, b in zip(mine, ref["losses"]["standard"])])
-                d_self.append([a - b for a, b in zip(mine, run["losses"]["standard"])])
-                base, big = runs["baseline"], runs[FLOPS_BASELINE]
-                at = _interp_rows(base["losses"]["standard"], big["losses"]["standard"], base["flops"], big["flops"],
-                                  run["flops"])
-                if at is None or arm.reference != "baseline":
-                    flop_ok = False
-                else:
-                    d_flop.append([a - b for a, b in zip(mine, at)])
-            row = {"arm": arm.name, "mode": mode, "loss": sum(per_seed) / len(per_seed), "loss_per_seed": per_seed,
-                   "reference": arm.reference, "flops": [s["runs"][arm.name]["flops"] for s in seeds]}
-            if arm.name != arm.reference:
-                # each seed scores rows of its own seeded validation split: resampled within each seed
-                row["delta_tokens"] = bootstrap_ci_within_seeds(d_tok, boot_seed)
-                row["delta_tokens_per_seed"] = [bootstrap_ci(d, seed=boot_seed).as_dict() for d in d_tok]
-            if mode != "standard":
-                row["delta_vs_own_standard"] = bootstrap_ci_within_seeds(d_self, boot_seed)
-            if flop_ok and arm.name != "baseline":
-                row["delta_flops"] = bootstrap_ci_within_seeds(d_flop, boot_seed)
-            table.append(row)
-    return table
-
-
-def _ci(d: dict | None) -> str:
-    if not d:
-        return ""
-    return f"{d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
-
-
-def tables(res: dict) -> str:
-    lines = ["| arm | mode | loss (mean of seeds) | per seed | Δ vs baseline, equal tokens [95% CI] | "
-             "Δ vs baseline, equal FLOPs | Δ vs own standard |", "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
-    for r in res["table"]:
-        per = " / ".join(f"{x:.4f}" for x in r["loss_per_seed"])
-        lines.append(f"| {r['arm']} | {r['mode']} | {r['loss']:.4f} | {per} | {_ci(r.get('delta_tokens'))} | "
-                     f"{_ci(r.get('delta_flops'))} | {_ci(r.get('delta_vs_own_standard'))} |")
-    lines += ["", "| arm | first-10-step L2−L1 | last-10-step L2−L1 | first-10 max grad norm | last-10 mean grad norm |",
-              "| --- | ---: | ---: | ---: | ---: |"]
-    for name, so in res["switch_on"].items():
-        if so:
-            lines.append(f"| {name} | {so['first_gap']:+.3f} | {so['last_gap']:+.3f} | "
-                         f"{so['first_max_grad_norm']:.2f} | {so['last_mean_grad_norm']:.2f} |")
-    return "\n".join(lines)
-
-
-def best_feedback_arm(res: dict) -> dict:
-    """The FBT arm whose best feedback mode has the lowest mean loss, with that mode."""
-    best = None
-    for r in res["table"]:
-        if r["arm"].startswith("baseline") or r["mode"] == "standard":
-            continue
-        if best is None or r["loss"] < best["loss"]:
-            best = r
-    return best
-
-
-def plot(res: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = [a for a in res["arms"] if not a.startswith("baseline")]
-    modes = ["standard", "K=2", "exact", "soft", "fused"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(arms)), 4))
-    width = 0.8 / len(modes)
-    by = {(r["arm"], r["mode"]): r for r in res["table"]}
-    for j, mode in enumerate(modes):
-        xs, ys, errs = [], [], []
-        for i, arm in enumerate(arms):
-            r = by.get((arm, mode))
-            if r and r.get("delta_tokens"):
-                d = r["delta_tokens"]
-                xs.append(i + (j - len(modes) / 2 + 0.5) * width)
-                ys.append(d["estimate"])
-                errs.append([[d["estimate"] - d["low"]], [d["high"] - d["estimate"]]])
-        if xs:
-            err = [[e[0][0] for e in errs], [e[1][0] for e in errs]]
-            ax.bar(xs, ys, width, yerr=err, label=mode, capsize=2)
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_xticks(range(len(arms)))
-    ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("held-out loss − baseline (nats/token)")
-    ax.set_title("recipe grid: Δ vs the equal-token baseline (95% CI)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save_png(fig, path)
-
-
 # ---------------------------------------------------------------------------------------------- command
 
 
@@ -348,17 +302,12 @@ def run_recipe(args) -> dict:
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     if len(seeds) < 1:
         raise ValueError("--seeds must name at least one seed (two or more for a fair comparison)")
-    names = pick_arms(args.arms, ARM_BY_NAME, [a.name for a in ARMS if a.default])
-    for need in ("baseline",):
-        if need not in names:
-            names.insert(0, need)
-    for n in list(names):
-        ref = ARM_BY_NAME[n].reference
-        if ref not in names:
-            names.insert(0, ref)
-    arms = [ARM_BY_NAME[n] for n in dict.fromkeys(names)]
+    arms = complete_arms(pick_arms(args.arms, ARM_BY_NAME, [a.name for a in ARMS if a.default]))
     for name in ("trunk_steps", "branch_steps", "batch_size", "eval_rows"):
         if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("flops_multiplier", "scratch_flops_multiplier"):
+        if not getattr(args, name) >= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.prompt_tokens < args.seq_len - 1:
         raise ValueError(f"--prompt-tokens must be in [1, --seq-len - 1), got {args.prompt_tokens}")
@@ -368,18 +317,20 @@ def run_recipe(args) -> dict:
     plans = {s: seed_plan(args, s, arms) for s in seeds}
     corpora = {s: build_tokenizer_and_corpus(plans[s][0]) for s in seeds}
     for s, (trunk_cfg, cfgs) in plans.items():  # before anything is trained
-        refuse_changed_runs([trunk_cfg, *cfgs.values()], corpora[s], args.overwrite)
+        refuse_changed_runs([trunk_cfg] * uses_trunk(trunk_cfg, cfgs) + list(cfgs.values()), corpora[s],
+                            args.overwrite)
     per_seed = [run_seed(args, s, *plans[s], corpora[s], say) for s in seeds]
-    res = {"arms": [a.name for a in arms] + [FLOPS_BASELINE],
-           "arm_descriptions": {a.name: a.description for a in arms}, "seeds": seeds,
+    scored = [a for a in arms if not a.flops_of]
+    res = {"arms": [a.name for a in arms], "arm_descriptions": {a.name: a.description for a in arms},
+           "scratch_arms": [a.name for a in arms if a.scratch and not a.flops_of], "seeds": seeds,
            "settings": {k: getattr(args, k) for k in DEFAULTS if k != "out"} | {"quick": bool(args.quick)},
            "per_seed": per_seed}
-    res["table"] = analyse(per_seed, arms)
-    res["switch_on"] = {a.name: per_seed[0]["runs"][a.name]["switch_on"] for a in arms}
+    res["table"] = analyse(per_seed, scored, FLOPS_OF)
+    res["switch_on"] = {a.name: per_seed[0]["runs"][a.name]["switch_on"] for a in scored}
     res["best"] = best_feedback_arm(res)
     res["seconds"] = time.perf_counter() - t0
     res["train_seconds"] = sum(r["train_seconds"] or 0.0 for s in per_seed for r in s["runs"].values()) + sum(
-        _elapsed(os.path.join(args.out, f"seed{s}", "trunk")) or 0.0 for s in seeds)
+        _elapsed(plans[s][0].out) or 0.0 for s in seeds if uses_trunk(*plans[s]))
     res["load_average"] = [load0, load_average()]
     res["threads"], res["torch"], res["platform"] = torch.get_num_threads(), torch.__version__, platform.platform()
     os.makedirs(args.out, exist_ok=True)
@@ -387,26 +338,6 @@ def run_recipe(args) -> dict:
     res["plot"] = plot(res, os.path.join(args.out, "recipe.png"))
     write_outputs(args.out, res, report(res, text), text, args.json, omit=("per_seed",), lead=f"{len(seeds)} seed(s), ")
     return res
-
-
-def report(res: dict, text: str) -> str:
-    s = res["settings"]
-    best = res["best"]
-    lines = ["# fullband experiment recipe", "",
-             f"Preset `{s['preset']}`; per seed a plain trunk of {s['trunk_steps']} steps, then every arm "
-             f"{s['branch_steps']} steps from it on the same next batches ({s['batch_size']} x {s['seq_len']} "
-             f"tokens a step); seeds {res['seeds']}; {s['eval_rows']} held-out rows, each scored after a "
-             f"{s['prompt_tokens']}-token prompt in every mode. Training took {res['train_seconds']:.0f}s summed over the "
-             f"runs (trunks included); this invocation {res['seconds']:.0f}s wall (finished runs are reused), load average "
-             f"{res['load_average'][0]} at the start and {res['load_average'][1]} at the end, "
-             f"{res['threads']} thread(s).", "", "Arms:", ""]
-    lines += [f"* `{n}`: {d}" for n, d in res["arm_descriptions"].items()]
-    lines += [f"* `{FLOPS_BASELINE}`: plain, WSD, as many training FLOPs as the costliest arm", "", text, ""]
-    if best:
-        lines.append(f"Best feedback arm and mode: `{best['arm']}` in `{best['mode']}`, {best['loss']:.4f} "
-                     f"(Δ vs baseline at equal tokens {_ci(best.get('delta_tokens'))}).")
-    lines += ["", "![recipe](recipe.png)", ""]
-    return "\n".join(lines)
 
 
 def add_parser(ex) -> None:
@@ -425,11 +356,15 @@ def add_parser(ex) -> None:
     r.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"], help="BPE entries")
     r.add_argument("--lr", type=float, default=None, help="peak LR (default: the preset's)")
     r.add_argument("--seeds", default=DEFAULTS["seeds"], help="comma-separated seeds (default: 0,1)")
-    r.add_argument("--arms", default=None, help="comma-separated arms (default: all but concat-warm); one of "
-                                                 + ", ".join(ARM_BY_NAME))
+    r.add_argument("--arms", default=None, help="comma-separated arms (default: the branched grid but concat-warm; "
+                                                 "each arm's baselines are added); one of " + ", ".join(ARM_BY_NAME))
     r.add_argument("--flops-multiplier", type=float, default=DEFAULTS["flops_multiplier"],
                    help="steps of the FLOP-matched baseline as a multiple of --branch-steps (its FLOPs bound the "
                         "equal-FLOPs comparison; an arm costlier than that is reported out of range)")
+    r.add_argument("--scratch-flops-multiplier", type=float, default=DEFAULTS["scratch_flops_multiplier"],
+                   help="steps of the FLOP-matched baselines of the arms from scratch (baseline-scratch-flops, "
+                        "baseline-tied-flops) as a multiple of --trunk-steps + --branch-steps (default 3.1: above "
+                        "K=3 on every step, 3 passes + 2 fusions)")
     r.add_argument("--eval-rows", type=int, default=DEFAULTS["eval_rows"], help="held-out rows scored")
     r.add_argument("--prompt-tokens", type=int, default=DEFAULTS["prompt_tokens"],
                    help="prompt length before the scored continuation of each row")

@@ -30,8 +30,6 @@ Writes ``results.json`` (per-row results included), ``report.md`` and ``state.pn
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
 import os
 import platform
@@ -60,9 +58,8 @@ from ..training.distributed import resolve_device
 from ..training.pretrain import PretrainRecipe
 from ..utils.io import read_jsonl
 from ..utils.stats import bootstrap_ci
-from .depth import Arm, arm_config, init_backbone, train_arm
+from .depth import Arm, add_model_arguments, arm_config, init_backbone, train_arm
 from .experiment_common import (
-    add_overwrite_argument,
     apply_quick,
     pick_arms,
     refuse_changed_runs,
@@ -389,15 +386,7 @@ def add_parser(ex) -> None:
     r = ex.add_parser("state", help="running-state tasks (S3/S5 word problem, parity, variable tracking) with dense "
                                     "labels: FBT trained with long recurrences vs baselines of 1, 2, 4x depth",
                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--out", default=DEFAULTS["out"], help="output directory (default: %(default)s)")
-    add_overwrite_argument(r)
-    r.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="L (default: %(default)s)")
-    r.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="model width (default: %(default)s)")
-    r.add_argument("--heads", type=int, default=DEFAULTS["heads"], help="attention heads (default: %(default)s)")
-    r.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="steps per arm (default: %(default)s)")
-    r.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
-                   help="rows per step (default: %(default)s)")
-    r.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak LR (default: %(default)s)")
+    add_model_arguments(r, DEFAULTS)
     r.add_argument("--tasks", default=DEFAULTS["tasks"],
                    help="comma-separated: s3, s5, parity, vars (default: %(default)s)")
     r.add_argument("--length", type=int, default=DEFAULTS["length"],

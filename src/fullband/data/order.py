@@ -11,6 +11,12 @@ run resumed at step s reads exactly what an uninterrupted run reads:
   lands outside ``[0, num_rows)`` is encrypted again until it lands inside; the walk stays on the cycle of the
   starting index, so the map is a bijection of ``[0, num_rows)``). A batch costs O(batch) time and memory: no
   array of ``num_rows`` entries is ever built.
+
+A run may also re-read a fixed pool (:func:`pool_batch_rows`, ``fullband train --unique-batches N``): the rows
+that batches ``offset .. offset+N-1`` of the ordinary order read, epoch after epoch, each epoch a fresh seeded
+permutation of the pool's ``N x batch`` slots (the same index maps over ``[0, N x batch)``), so it reads exactly
+the unique rows of an ordinary N-batch run, as often as its steps say. :func:`distinct_rows_read` counts the
+distinct rows a run reads (its unique tokens).
 """
 
 from __future__ import annotations
@@ -67,13 +73,18 @@ def feistel_permute(index: np.ndarray, num_rows: int, seed: int, epoch: int) -> 
 def batch_rows(step: int, batch_size: int, num_rows: int, seed: int = 0, order: str = "randperm") -> torch.Tensor:
     """Row indices of global batch ``step``: positions ``step*batch_size ...`` of the endless sequence of epochs,
     each epoch a seeded permutation of the rows (``order``: see the module docstring)."""
+    return position_rows(np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64), num_rows, seed, order)
+
+
+def position_rows(pos: np.ndarray, num_rows: int, seed: int = 0, order: str = "randperm") -> torch.Tensor:
+    """Row indices at positions ``pos`` (int array) of the endless sequence of epochs (:func:`batch_rows`)."""
     if num_rows < 1:
         raise ValueError("no training rows")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-    pos = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
+    pos = np.asarray(pos, dtype=np.int64)
     epochs, within = np.divmod(pos, num_rows)
-    rows = np.empty(batch_size, dtype=np.int64)
+    rows = np.empty(pos.shape[0], dtype=np.int64)
     for epoch in np.unique(epochs).tolist():
         sel = epochs == epoch
         if order == "randperm":
@@ -81,3 +92,42 @@ def batch_rows(step: int, batch_size: int, num_rows: int, seed: int = 0, order: 
         else:
             rows[sel] = feistel_permute(within[sel], num_rows, seed, epoch)
     return torch.from_numpy(rows)
+
+
+def _pool_seed(seed: int) -> int:
+    """The seed of a pool's epoch permutations: its own stream, not the ordinary order's."""
+    return int.from_bytes(hashlib.sha256(f"fullband-pool:{seed}".encode()).digest()[:4], "little")
+
+
+def pool_batch_rows(step: int, batch_size: int, num_rows: int, seed: int, order: str, pool_batches: int,
+                    offset: int = 0) -> torch.Tensor:
+    """Row indices of batch ``step`` of a run that re-reads the pool of batches ``offset .. offset+pool_batches-1``
+    of the ordinary order: slot ``j`` of the pool is ordinary position ``offset x batch + j``; the run's positions
+    run over epochs of the pool's slots, each a seeded permutation (``order``'s map over the slots)."""
+    if pool_batches < 1:
+        raise ValueError(f"the pool needs at least one batch, got {pool_batches}")
+    slots = batch_rows(step, batch_size, pool_batches * batch_size, _pool_seed(seed), order).numpy()
+    return position_rows(offset * batch_size + slots, num_rows, seed, order)
+
+
+def distinct_rows_read(steps: int, batch_size: int, num_rows: int, seed: int = 0, order: str = "randperm",
+                       offset: int = 0, pool_batches: int = 0) -> int:
+    """How many distinct rows a run of ``steps`` batches reads (ordinary order from batch ``offset``, or re-reading
+    the pool of ``pool_batches`` batches from there): ``num_rows`` once an epoch is covered, the number of reads
+    while they stay inside one epoch; only a window across an epoch boundary is counted row by row (O(reads))."""
+    reads = steps * batch_size
+    start = offset * batch_size
+    if pool_batches:
+        window = pool_batches * batch_size
+        if reads < window:  # part of the pool's first epoch: distinct slots, i.e. distinct positions
+            if start // num_rows == (start + window - 1) // num_rows:
+                return reads
+            pos = start + batch_rows(0, reads, window, _pool_seed(seed), order).numpy()
+            return int(np.unique(position_rows(pos, num_rows, seed, order).numpy()).size)
+        reads = window  # every slot of the pool read at least once
+    if reads >= num_rows:
+        return num_rows
+    if start // num_rows == (start + reads - 1) // num_rows:
+        return reads
+    pos = np.arange(start, start + reads, dtype=np.int64)
+    return int(np.unique(position_rows(pos, num_rows, seed, order).numpy()).size)

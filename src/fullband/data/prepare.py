@@ -10,9 +10,10 @@ Owns :func:`prepare` (the format it writes is :mod:`fullband.data.shards`'). The
    documents (all of them when the corpus is smaller: then it is the in-memory path's tokenizer of the same
    training documents); saved into ``OUT/tokenizer`` before any shard;
 4. shards: the documents in chunks of about ``shard_mb`` MB of text; chunk ``k`` becomes shard ``k`` (its
-   training and held-out documents as ``BOS text EOS``, via :func:`fullband.data.corpus.tokenize_documents`),
-   tokenized by one of ``workers`` processes, at most ``2 x workers`` chunks in flight (bounded memory); a shard's
-   files are written under temporary names, renamed, then its ``NNNNNN.done.json`` marker written;
+   training and held-out documents as ``BOS text EOS``: the ids of :func:`fullband.data.corpus.tokenize_documents`,
+   from the backend's ``encode_batch_fast`` on about 1 MB of text at a time), tokenized by one of ``workers``
+   processes (one thread each), at most ``2 x workers`` chunks in flight (bounded memory); a shard's files are
+   written under temporary names, renamed, then its ``NNNNNN.done.json`` marker written;
 5. ``manifest.json``, last.
 
 Resuming: ``prepare.json`` records the settings (sources with sizes and mtimes, tokenizer, split, shard size); a
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -36,9 +38,9 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 from ..utils.io import atomic_save_pretrained, atomic_write_json
-from .corpus import load_tokenizer, special_ids, tokenize_documents, train_tokenizer
+from .corpus import load_tokenizer, special_ids, train_tokenizer
 from .shards import FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, files_sha256, token_dtype
-from .sources import Document, iter_documents, list_sources
+from .sources import iter_documents, list_sources
 
 SETTINGS = "prepare.json"
 SHARDS = "shards"
@@ -73,8 +75,23 @@ _WORKER = {}
 
 
 def _init_worker(tok_dir: str, dtype: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    _WORKER.update(tokenizer=load_tokenizer(tok_dir), dtype=np.dtype(dtype))
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the backend encodes serially, no rayon pool
+    tokenizer = load_tokenizer(tok_dir)
+    tokenizer([""], add_special_tokens=False)  # sets the backend up as a call does (no truncation / padding)
+    _WORKER.update(tokenizer=tokenizer, dtype=np.dtype(dtype))
+
+
+def _encode_flat(tokenizer, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+    """The texts as :func:`fullband.data.corpus.tokenize_documents` encodes them (``BOS ids EOS`` each), flat as
+    int64, and each document's length. The backend's ``encode_batch_fast`` (no offsets, no ``BatchEncoding``)
+    gives the ids of ``tokenizer(texts, add_special_tokens=False)`` at about half its cost (tests/test_prepare.py
+    checks them against that call)."""
+    bos, eos = special_ids(tokenizer)
+    tail = (eos,) if eos is not None and eos != bos else ()
+    ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    lengths = [len(x) + 1 + len(tail) for x in ids]
+    parts = (part for x in ids for part in ((bos,), x, tail))
+    return np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=sum(lengths)), lengths
 
 
 def _write_split(path: str, docs: list, tokenizer, dtype) -> dict:
@@ -99,9 +116,7 @@ def _write_split_files(path: str, tmp: str, docs: list, tokenizer, dtype) -> dic
             while j < len(docs) and (j == i or size + len(docs[j]) <= _ENCODE_BATCH):
                 size += len(docs[j])
                 j += 1
-            encoded = tokenize_documents(tokenizer, [Document("", t) for t in docs[i:j]])
-            lengths = [len(ids) for ids in encoded]
-            flat = np.fromiter((t for ids in encoded for t in ids), dtype=np.int64, count=sum(lengths))
+            flat, lengths = _encode_flat(tokenizer, docs[i:j])
             if flat.size and (flat.min() < 0 or flat.max() > limit):
                 raise ValueError(f"token id {int(flat.max())} does not fit {dtype.name}")
             data = flat.astype(dtype).tobytes()

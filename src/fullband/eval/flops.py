@@ -1,12 +1,14 @@
-"""Training compute of a run: the parameters that count and the FLOPs of its logged steps (every pass counted,
-passes without gradient at the cost of their forward)."""
+"""Compute of a run and of its scoring: the parameters that count, the training FLOPs of its logged steps (every
+pass counted, passes without gradient at the cost of their forward), and the inference FLOPs of scoring a row in
+each mode (:func:`inference_flops`: forward only, relative to ``standard``)."""
 
 from __future__ import annotations
 
 
 def flop_parameters(model) -> dict:
     """What the FLOP count needs: ``matmul_params`` (backbone parameters in matrix multiplies: all of them but an
-    untied input-embedding table), ``fusion_params``, ``layers``, ``hidden``."""
+    untied input-embedding table), ``head_params`` (the LM head's, among them), ``fusion_params``, ``layers``,
+    ``hidden``."""
     backbone = getattr(model, "backbone", model)
     emb = backbone.get_input_embeddings().weight
     head = backbone.get_output_embeddings()
@@ -18,7 +20,7 @@ def flop_parameters(model) -> dict:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
     fusion = sum(p.numel() for p in model.feedback.parameters()) if hasattr(model, "feedback") else 0
     return {"matmul_params": int(matmul), "fusion_params": int(fusion), "layers": int(layers), "hidden": int(hidden),
-            "total_backbone_params": int(total)}
+            "total_backbone_params": int(total), "head_params": int(head.weight.numel()) if head is not None else 0}
 
 
 def training_flops(records: list[dict], tokens_per_step: int, seq_len: int, fp: dict) -> dict:
@@ -47,3 +49,67 @@ def training_flops(records: list[dict], tokens_per_step: int, seq_len: int, fp: 
     passes = int(passes) if passes == int(passes) else passes
     return {"flops": flops, "steps": len(steps), "passes": passes, "tokens": len(steps) * tokens_per_step,
             "flops_per_token_pass": per_pass}
+
+
+INFERENCE_MODES = ("standard", "passes", "exact", "soft", "fused")
+
+
+def inference_flops(mode: str, fp: dict, row_tokens: int, prompt_tokens: int = 0, num_passes: int = 2,
+                    prefill_passes: int = 1) -> dict:
+    """Forward FLOPs of scoring one row of ``row_tokens`` tokens in ``mode``, counted from what
+    :func:`fullband.eval.scoring.token_nll` runs (the tokens after ``max(1, prompt_tokens)`` scored), and their
+    ratio to ``standard`` on the same row (``relative``; same model, so per scored token too).
+
+    Costs (``fp`` from :func:`flop_parameters`): a token through the backbone's body ``2·(N - N_head)``; a position
+    whose logits are computed ``2·N_head``; attention ``4·L·d`` per (query, key) pair, a query at position p
+    attending p + 1 keys (causal); a fused token ``2·N_fusion`` (the gate computed per token, as evaluation does;
+    a decode call that fuses at least a vocabulary's worth of tokens looks it up instead). Per mode, for a row of
+    T tokens and a prompt of P:
+
+    * ``standard``: one pass over the T tokens, logits at all T;
+    * ``passes`` (K = ``num_passes``): K passes over the T tokens, passes 2..K fused at every position; logits at
+      all T in the last pass, at one position in each earlier one;
+    * ``exact``: the recurrence, T one-token steps over a KV cache (T positions' body, logits and attention pairs
+      once, as ``standard``), each but the first fused: the same FLOPs plus T - 1 fusions, but T sequential calls;
+    * ``soft``: the prompt in one plain pass (logits at its last position), then the T - P - 1 continuation tokens
+      before the last one fused, one step each (the last token's logits come from the step before it);
+    * ``fused``: as ``soft`` after ``prefill_passes`` more passes over the prompt (each fused at all P positions,
+      logits at one).
+
+    Returns ``{"flops", "scored_tokens", "flops_per_token", "relative", "sequential_calls"}`` (``flops`` per row;
+    ``sequential_calls``: backbone calls one after another, a latency proxy)."""
+    if mode not in INFERENCE_MODES:
+        raise ValueError(f"unknown scoring mode {mode!r}: choose one of {', '.join(INFERENCE_MODES)}")
+    T, P = int(row_tokens), int(prompt_tokens)
+    if T < 2 or not 0 <= P < T:
+        raise ValueError(f"need a row of >= 2 tokens and a prompt shorter than it, got {T} and {P}")
+    if mode in ("soft", "fused") and P < 1:
+        raise ValueError(f"mode {mode!r} scores a continuation: give prompt_tokens >= 1")
+    if num_passes < 1 or prefill_passes < 1:
+        raise ValueError("num_passes and prefill_passes must be >= 1")
+    body = 2.0 * (fp["matmul_params"] - fp["head_params"])
+    head, fuse = 2.0 * fp["head_params"], 2.0 * fp["fusion_params"]
+    pair = 4.0 * fp["layers"] * fp["hidden"]
+
+    def pairs(first: int, n: int) -> float:  # (query, key) pairs of n queries at positions first .. first + n - 1
+        return n * first + n * (n + 1) / 2.0
+
+    def cost(tokens: float, logits: float, attention_pairs: float, fused: float) -> float:
+        return tokens * body + logits * head + attention_pairs * pair + fused * fuse
+
+    standard = cost(T, T, pairs(0, T), 0)
+    K, C = int(num_passes), T - P
+    if mode == "standard":
+        flops, calls = standard, 1
+    elif mode == "passes":
+        flops, calls = cost(K * T, T + (K - 1), K * pairs(0, T), (K - 1) * T), K
+    elif mode == "exact":
+        flops, calls = cost(T, T, pairs(0, T), T - 1), T
+    else:
+        extra = prefill_passes if mode == "fused" else 0
+        prompt = cost((1 + extra) * P, 1 + extra, (1 + extra) * pairs(0, P), extra * P)
+        steps = cost(C - 1, C - 1, pairs(P, C - 1), C - 1)  # inputs: the continuation but its last token
+        flops, calls = prompt + steps, 1 + extra + (C - 1)
+    scored = T - max(1, P)
+    return {"flops": flops, "scored_tokens": scored, "flops_per_token": flops / scored,
+            "relative": flops / standard, "sequential_calls": calls}

@@ -16,6 +16,8 @@ from dataclasses import fields
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
@@ -35,6 +37,7 @@ from .feedback import (
     shift_right,
 )
 from .generation import FeedbackGenerationMixin
+from .lm_loss import check_chunkable, chunked_lm_loss, z_loss_from_logits
 from .objective import combine_pass_losses
 from .outputs import FullBandwidthOutput
 
@@ -43,7 +46,10 @@ StateHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 def embedding_rms(embeddings) -> float:
     """RMS of an embedding matrix: the scale the fused input is initialised to."""
-    return float(embeddings.weight.detach().float().pow(2).mean().sqrt())
+    weight = embeddings.weight.detach()
+    if isinstance(weight, DTensor):  # FSDP2-sharded (possibly unevenly): a scalar all-reduce, not a gather
+        return float((weight.float().pow(2).sum().full_tensor() / weight.numel()).sqrt())
+    return float(weight.float().pow(2).mean().sqrt())
 
 
 class FullBandwidthPreTrainedModel(PreTrainedModel):
@@ -79,6 +85,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         if config.embed_rms is None:
             config.embed_rms = embedding_rms(embeddings)
         eps = float(getattr(config.text_config, "rms_norm_eps", None) or getattr(config.text_config, "layer_norm_epsilon", None) or 1e-6)
+        self._fusion_shape = (hidden_size, embed_dim, eps)
         self.feedback = build_fusion(config.fusion, hidden_size, embed_dim, eps)
         self.feedback.reset_parameters(config.embed_rms)
         self.feedback.to(dtype=embeddings.weight.dtype, device=embeddings.weight.device)
@@ -94,7 +101,22 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         by then the embeddings have moved away from their initial RMS, and the fused input should enter at their
         current scale."""
         self.config.embed_rms = embedding_rms(self.get_input_embeddings())
-        self.feedback.reset_parameters(self.config.embed_rms, generator)
+        params = dict(self.feedback.named_parameters())
+        if not any(isinstance(p, DTensor) for p in params.values()):
+            self.feedback.reset_parameters(self.config.embed_rms, generator)
+            return
+        # FSDP2 shards the fusion: an in-place init would fill every rank's shard from the same draws. Draw the
+        # full initialisation once on an unsharded fusion (the same on every rank: same generator) and keep each
+        # rank's own shard of it (no communication: src_data_rank=None).
+        full = build_fusion(self.config.fusion, *self._fusion_shape)
+        full.reset_parameters(self.config.embed_rms, generator)
+        for name, value in full.named_parameters():
+            p = params[name]
+            if isinstance(p, DTensor):
+                shard = distribute_tensor(value.detach().to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
+            else:
+                p.copy_(value)
 
     def _init_weights(self, module):
         # The backbone initialises itself (it is a PreTrainedModel of its own); the fusion is initialised in
@@ -219,9 +241,15 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                             logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         return out.logits, out.hidden_states[-1], out.cache, (out.hidden_states if output_hidden_states else None)
 
-    def _pass_loss(self, logits, labels, **kwargs):
-        return self.backbone.loss_function(logits=logits, labels=labels,
-                                           vocab_size=self.get_output_embeddings().out_features, **kwargs)
+    def _pass_loss(self, logits, hidden, labels, loss_chunk: int = 0, z_loss: float = 0.0, **kwargs):
+        """``(cross-entropy, z-loss or None)`` of one pass: from ``logits`` through the backbone's own loss function
+        or, with ``loss_chunk`` (no logits were computed), chunk by chunk from the final hidden states through the
+        LM head (:func:`fullband.model.lm_loss.chunked_lm_loss`)."""
+        if loss_chunk:
+            return chunked_lm_loss(self.get_output_embeddings(), hidden, labels, loss_chunk, z_loss=z_loss, **kwargs)
+        ce = self.backbone.loss_function(logits=logits, labels=labels,
+                                         vocab_size=self.get_output_embeddings().out_features, **kwargs)
+        return ce, (z_loss_from_logits(logits, labels, z_loss, **kwargs) if z_loss else None)
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, num_passes: int = 1,
@@ -230,7 +258,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 use_cache: bool | None = None, logits_to_keep: int = 0,
                 num_items_in_batch: torch.Tensor | None = None, feedback_weight: float | None = None,
                 state_hook: StateHook | None = None, grad_passes: int | None = None,
-                pass_tol: float | None = None, **kwargs) -> FullBandwidthOutput:
+                pass_tol: float | None = None, loss_chunk: int | None = None, z_loss: float | None = None,
+                **kwargs) -> FullBandwidthOutput:
         """K-pass teacher-forced forward: the one place the K passes are written.
 
         Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
@@ -247,11 +276,18 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         detached, so they stay in ``loss``'s value but not in its backward) and only the last N with gradient,
         the first of them fed a state that carries none (truncated backpropagation through the passes; ``None``:
         all K). ``pass_tol`` stops the passes early once the fed-back states stop changing: after pass k >= 2,
-        when ``max|h_k - h_{k-1}| / max|h_{k-1}| < pass_tol`` (over the whole batch), the no-gradient passes
-        still to come are skipped (the last N gradient passes always run, from the converged state) or, when
-        every pass has gradient, the passes end there. Each skipped pass is reported with the loss of the pass the
-        passes stopped at (the fixed point's), so ``pass_losses`` always has K entries; ``passes_run`` and
-        ``pass_changes`` (the relative change after each pass from the second) say what ran.
+        when ``max|h_k - h_{k-1}| / max|h_{k-1}| < pass_tol`` (over the whole batch: under ``torch.distributed``
+        the two maxima are all-reduced over the default group, so every rank makes this call and stops alike), the
+        no-gradient passes still to come are skipped (the last N gradient passes always run, from the converged
+        state) or, when every pass has gradient, the passes end there. Each skipped pass is reported with the loss
+        of the pass the passes stopped at (the fixed point's), so ``pass_losses`` always has K entries;
+        ``passes_run`` and ``pass_changes`` (the relative change after each pass from the second) say what ran.
+
+        Memory at large vocabularies: ``loss_chunk`` = N (with ``labels``) computes no logits at all (``logits`` is
+        then ``None``): each pass's loss is taken from its final hidden states N positions at a time, each chunk's
+        logits recomputed in the backward (:mod:`fullband.model.lm_loss`). ``z_loss`` = c adds the PaLM z-loss
+        ``c · mean(logsumexp^2)`` over the supervised tokens to every pass's loss (combined over the passes as the
+        losses are); ``pass_losses`` stay the cross-entropies and ``z_loss`` reports the added term.
         """
         kwargs.pop("return_dict", None)
         kwargs.pop("output_hidden_states", None)
@@ -277,14 +313,26 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
             raise ValueError(f"pass_tol must be >= 0 (or None: no early stop), got {pass_tol!r}")
         if pass_tol is not None and num_passes > 1 and (cache is not None or use_cache):
             raise ValueError("pass_tol (early stop) cannot fill a cache: the last pass is not known in advance")
+        if loss_chunk is not None and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool)
+                                       or loss_chunk < 0):
+            raise ValueError(f"loss_chunk must be an integer >= 0 positions (0 or None: off), got {loss_chunk!r}")
+        if z_loss is not None and not z_loss >= 0:
+            raise ValueError(f"z_loss must be >= 0 (0 or None: off), got {z_loss!r}")
+        chunked = bool(loss_chunk) and labels is not None
+        if chunked:
+            check_chunkable(self.config.text_config)
+        loss_kwargs = {"loss_chunk": loss_chunk if chunked else 0, "z_loss": z_loss or 0.0}
+        if num_items_in_batch is not None:
+            loss_kwargs["num_items_in_batch"] = num_items_in_batch
         # passes 0..first_grad-1 run without gradient (0-based); the last n_grad with it
         n_grad = num_passes if grad_passes is None else min(grad_passes, num_passes)
         first_grad = num_passes - n_grad
         grad_on = torch.is_grad_enabled()
 
         token_embeds = self.get_input_embeddings()(input_ids)
-        loss_kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None else {}
-        pass_losses, hidden, logits, out_cache, changes, ran_grad = [], None, None, None, [], 0
+        # per pass: the objective's term (with its graph on gradient passes), the cross-entropy and the z-loss
+        terms, pass_losses, z_terms = [], [], []
+        hidden, logits, out_cache, changes, ran_grad = None, None, None, [], 0
         k = 0
         while k < num_passes:
             last = k == num_passes - 1
@@ -312,35 +360,51 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                         state = state.detach()
                     inputs = fuse_where(pass_mask, self.fuse(state, input_ids, token_embeds), token_embeds)
                 keep = logits_to_keep if (last or labels is not None or pass_tol is not None) else 1
+                if chunked:  # HF's logits_to_keep as an index tensor: no position, no logits
+                    keep = torch.empty(0, dtype=torch.long, device=input_ids.device)
                 previous = hidden
                 logits, hidden, step_cache, _ = self._backbone_pass(inputs, attention_mask, position_ids,
                                                                     cache=cache if last else None,
                                                                     use_cache=bool(use_cache) and last,
                                                                     logits_to_keep=keep, **kwargs)
                 if labels is not None:
-                    pass_loss = self._pass_loss(logits, labels, **loss_kwargs)
-                    pass_losses.append(pass_loss if k >= first_grad else pass_loss.detach())
+                    ce, z = self._pass_loss(logits, hidden, labels, **loss_kwargs)
+                    term = ce if z is None else ce + z
+                    terms.append(term if k >= first_grad else term.detach())
+                    pass_losses.append(ce.detach())
+                    if z is not None:
+                        z_terms.append(z.detach())
             if last:
                 out_cache = step_cache
             ran_grad += k >= first_grad
             nxt = k + 1
             if pass_tol is not None and previous is not None:
-                change = float((hidden.detach() - previous.detach()).abs().max()
-                               / previous.detach().abs().max().clamp_min(1e-12))
+                extremes = torch.stack([(hidden.detach() - previous.detach()).abs().max(),
+                                        previous.detach().abs().max()])
+                if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                    # the whole global batch: every rank stops at the same pass (DDP / FSDP ranks run the same
+                    # passes, hence the same collectives), as one process holding every rank's rows would
+                    wide = extremes.float()
+                    dist.all_reduce(wide, op=dist.ReduceOp.MAX)
+                    extremes = wide.to(extremes.dtype)
+                change = float(extremes[0] / extremes[1].clamp_min(1e-12))
                 changes.append(change)
                 if change < pass_tol and k < first_grad:
                     nxt = first_grad  # skip the rest of the passes without gradient
                 elif change < pass_tol and first_grad == 0:
                     nxt = num_passes  # every pass has gradient: the passes end here
             if labels is not None:  # skipped passes: the loss of the (converged) pass the passes stopped at
-                pass_losses += [pass_losses[-1]] * (min(nxt, num_passes) - k - 1)
+                skipped = min(nxt, num_passes) - k - 1
+                for store in (terms, pass_losses, z_terms) if z_terms else (terms, pass_losses):
+                    store += [store[-1]] * skipped
             k = nxt
         weight = self.config.feedback_weight if feedback_weight is None else feedback_weight
-        loss = combine_pass_losses(pass_losses, weight) if pass_losses else None
+        loss = combine_pass_losses(terms, weight) if terms else None
         passes_run = num_passes if pass_tol is None else len(changes) + 1
         return FullBandwidthOutput(
-            loss=loss, logits=logits, last_hidden_state=hidden, cache=out_cache,
-            pass_losses=torch.stack(pass_losses).detach() if pass_losses else None,
+            loss=loss, logits=None if chunked else logits, last_hidden_state=hidden, cache=out_cache,
+            pass_losses=torch.stack(pass_losses) if pass_losses else None,
+            z_loss=combine_pass_losses(z_terms, weight) if z_terms else None,
             passes_run=passes_run, grad_passes_run=ran_grad if grad_on else 0,
             pass_changes=changes if pass_tol is not None else None,
         )

@@ -28,4 +28,5 @@ class FullBandwidthOutput(ModelOutput):
     inputs_embeds: torch.Tensor | None = None
     passes_run: int | None = None  # passes the K-pass forward ran (fewer than K after an early stop)
     grad_passes_run: int | None = None  # of them, the passes run with gradient (grad_passes)
+    z_loss: torch.Tensor | None = None  # with a z-loss coefficient: its term inside ``loss`` (detached)
     pass_changes: list[float] | None = None  # with an early-stop tolerance: max|h_k - h_{k-1}| / max|h_{k-1}|

@@ -3,12 +3,21 @@
 Owns ``OUT/checkpoints/step-NNNNNNN/`` (written under a temporary name, fsynced, renamed; a re-saved step swapped
 in with the old one kept aside until the new one is in place, :func:`swap_in`; ``latest`` updated atomically
 afterwards and read back only as a plain step name, :func:`read_latest`; the oldest beyond ``--keep-checkpoints``
-removed):
+removed). The model and optimizer come in one of two layouts, recorded as ``layout`` in ``trainer_state.json``
+(absent: ``full``) so a resume picks the right reader:
 
-* ``model.safetensors``: the full (unsharded) model state, shared tensors stored once;
-* ``optimizer.pt``: the full optimizer state (tensors, numbers, strings, lists, tuples: no pickled objects);
+* ``full`` (one process, DDP): ``model.safetensors``, the full model state, shared tensors stored once, and
+  ``optimizer.pt``, the full optimizer state (tensors, numbers, strings, lists, tuples: no pickled objects);
+* ``sharded`` (FSDP2): every rank's own shards, ``shard-0000R-model-0000i-of-0000n.safetensors``, and
+  ``sharded_state.json`` (:mod:`fullband.training.sharded`: nothing is gathered to one rank, and the checkpoint
+  resumes on any number of processes, or one without a process group);
+
+and, in both:
+
 * ``rng-rankN.pt``: every rank's RNG states (torch, CUDA, Python ``random``, numpy, the prefix-mixing generator),
-  stored as tensors, lists and numbers (:func:`rng_state`);
+  stored as tensors, lists and numbers (:func:`rng_state`); a rank the saving run did not have takes the shared
+  prefix-mixing stream from rank 0's file and seeds its own streams from the seed, its rank and the step
+  (:func:`fallback_seed`);
 * ``trainer_state.json``: the step, tokens, elapsed time, guard state, the run's config and where the schedules
   stand.
 
@@ -30,14 +39,15 @@ import pickle
 import random
 import re
 import shutil
-import tempfile
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..utils.io import atomic_write_text, fsync_dir
 from . import distributed as D
+from . import sharded as S
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
@@ -49,10 +59,12 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SUMMARY = "summary.json"  # written when a run ends; its status "done" marks a finished run
 FORMAT = 2  # 2: RNG states as tensors / lists / numbers; 1: numpy's state as a pickled array (:func:`load_legacy_rng`)
+LAYOUTS = ("full", "sharded")  # trainer_state.json's "layout": model.safetensors + optimizer.pt, or DCP shards
 # what --overwrite removes (only these names, never anything else in OUT)
 RUN_OUTPUTS = (CKPT_DIR, METRICS, "tb", "curves.png", RUN_CONFIG, TOKENIZER_DIR, SUMMARY, "config.json",
                "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+WEIGHT_SHARDS = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")  # save_pretrained's files of a large model
 
 
 def step_dir_name(step: int) -> str:
@@ -72,7 +84,8 @@ def aside_name(name: str) -> str:
 
 
 def _complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, TRAINER_STATE)) and os.path.isfile(os.path.join(path, MODEL_FILE))
+    return os.path.isfile(os.path.join(path, TRAINER_STATE)) and (
+        os.path.isfile(os.path.join(path, MODEL_FILE)) or os.path.isfile(os.path.join(path, S.INDEX)))
 
 
 def read_latest(root: str) -> str | None:
@@ -164,8 +177,9 @@ def prepare_out(out: str, resume: bool, overwrite: bool) -> str | None:
 
 
 def clear_outputs(out: str) -> None:
-    """Remove what a run writes into ``out`` (:data:`RUN_OUTPUTS`), nothing else."""
-    for n in RUN_OUTPUTS:
+    """Remove what a run writes into ``out`` (:data:`RUN_OUTPUTS`, :data:`WEIGHT_SHARDS`), nothing else."""
+    shards = [n for n in os.listdir(out) if WEIGHT_SHARDS.fullmatch(n)] if os.path.isdir(out) else []
+    for n in (*RUN_OUTPUTS, *shards):
         p = os.path.join(out, n)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
@@ -189,14 +203,29 @@ def rng_state(generator: torch.Generator) -> dict:
     return state
 
 
-def set_rng_state(state: dict, generator: torch.Generator) -> None:
-    """Restore what :func:`rng_state` saved."""
+def fallback_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of rank ``rank``'s own RNG streams when it resumes from step ``step`` of a checkpoint written by
+    fewer processes (no RNG file of its own): fixed by the run's seed, the rank and the step, and unlike every other
+    rank's and every other step's."""
+    return int.from_bytes(hashlib.sha256(f"fullband-rng/{seed}/{rank}/{step}".encode()).digest()[:8], "little") >> 1
+
+
+def set_rng_state(state: dict, generator: torch.Generator, seed: int | None = None) -> None:
+    """Restore what :func:`rng_state` saved. A state of the shared prefix-mixing stream alone (a rank the saving
+    run did not have, :func:`load_checkpoint`) seeds this process's own streams with ``seed`` instead."""
+    generator.set_state(state["prefix"])
+    if "torch" not in state:
+        if seed is None:
+            raise ValueError("this rank has no RNG state in the checkpoint and no seed to start its streams from")
+        torch.manual_seed(seed)  # CUDA's generators too
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        return
     py, npy = state["python"], state["numpy"]
     torch.set_rng_state(state["torch"])
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     np.random.set_state((npy["key"], npy["state"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
                          npy["cached_gaussian"]))
-    generator.set_state(state["prefix"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -236,25 +265,28 @@ def save_checkpoint(out: str, step: int, env: D.DistEnv, model, optimizer, gener
                     trainer_state: dict, keep: int = 1) -> str:
     """Write checkpoint ``step`` of the run in ``out``; returns its path.
 
-    Every rank calls this (the state dicts are collective under FSDP) and writes its own RNG file; rank 0 writes
-    the shared files into a temporary directory, fsyncs them, renames it into place, then updates ``latest``.
+    Every rank calls this and writes its own RNG file into a temporary directory. An FSDP2 model is written
+    ``sharded`` (every rank its own shards, :func:`fullband.training.sharded.save_sharded`: nothing gathered); any
+    other ``full``, by rank 0. Rank 0 then writes ``trainer_state.json`` (last: it marks the checkpoint complete),
+    fsyncs the files, renames the directory into place and updates ``latest``.
     """
-    model_state = D.full_model_state(model)
-    optim_state = D.full_optimizer_state(model, optimizer)
+    layout = "sharded" if D.is_sharded(D.unwrap(model)) else "full"
     root = os.path.join(out, CKPT_DIR)
     name = step_dir_name(step)
-    tmp = None
-    if env.is_main:
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root)
-    tmp = D.broadcast_object(tmp, env)
+    tmp = S.mkdtemp_everywhere(root, f".{name}.", env)
     torch.save(rng_state(generator), os.path.join(tmp, rng_file_name(env.rank)))
+    if layout == "sharded":
+        S.save_sharded(tmp, model, optimizer, env)
+    else:
+        model_state = D.full_model_state(model)
+        optim_state = D.full_optimizer_state(model, optimizer)
+        if env.is_main:
+            save_file(dedupe_shared(model_state), os.path.join(tmp, MODEL_FILE))
+            torch.save(optim_state, os.path.join(tmp, OPTIMIZER_FILE))
     D.barrier(env)
     if env.is_main:
-        save_file(dedupe_shared(model_state), os.path.join(tmp, MODEL_FILE))
-        torch.save(optim_state, os.path.join(tmp, OPTIMIZER_FILE))
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump({"format": FORMAT, "step": step, **trainer_state}, f, indent=2)
+            json.dump({"format": FORMAT, "layout": layout, "step": step, **trainer_state}, f, indent=2)
         for n in os.listdir(tmp):
             with open(os.path.join(tmp, n), "rb") as fh:
                 os.fsync(fh.fileno())
@@ -282,19 +314,43 @@ def _unreadable(path: str, err: BaseException) -> ValueError:
     return ValueError(f"checkpoint file {path!r} is corrupt or truncated ({type(err).__name__}: {first})")
 
 
-def load_trainer_state(path: str) -> dict:
-    """``trainer_state.json`` of checkpoint directory ``path`` (``ValueError`` naming the file when unreadable)."""
-    file = os.path.join(path, TRAINER_STATE)
+def _read_json(file: str):
     if not os.path.isfile(file):
         raise FileNotFoundError(f"checkpoint file {file!r} does not exist")
     try:
         with open(file, encoding="utf-8") as f:
-            state = json.load(f)
+            return json.load(f)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise _unreadable(file, err) from None
+
+
+def load_trainer_state(path: str) -> dict:
+    """``trainer_state.json`` of checkpoint directory ``path`` (``ValueError`` naming the file when unreadable)."""
+    file = os.path.join(path, TRAINER_STATE)
+    state = _read_json(file)
     if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("config"), dict)):
         raise ValueError(f"checkpoint file {file!r} is corrupt or truncated (no step and config in it)")
     return state
+
+
+def load_sharded_index(path: str) -> dict:
+    """The index of ``sharded`` checkpoint ``path`` (:data:`fullband.training.sharded.INDEX`), every shard file's
+    header read: a missing, truncated or foreign file fails here, before anything is written."""
+    file = os.path.join(path, S.INDEX)
+    index = _read_json(file)
+    if not (isinstance(index, dict) and isinstance(index.get("shards"), list) and index["shards"]
+            and isinstance(index.get("param_groups"), list) and isinstance(index.get("optimizer_state"), dict)):
+        raise ValueError(f"checkpoint file {file!r} is corrupt (not a sharded checkpoint's index)")
+    for name in index["shards"]:
+        shard = os.path.join(path, str(name))
+        if os.path.basename(shard) != name or not os.path.isfile(shard):
+            raise FileNotFoundError(f"checkpoint file {shard!r} does not exist (the checkpoint is incomplete)")
+        try:
+            with safe_open(shard, framework="pt") as f:  # the header, checked against the file's length
+                f.metadata()
+        except Exception as err:  # noqa: BLE001 - SafetensorError and OSError alike
+            raise _unreadable(shard, err) from None
+    return index
 
 
 def safe_torch_load(file: str):
@@ -309,7 +365,15 @@ def safe_torch_load(file: str):
 
 
 def load_model_state(path: str) -> dict[str, torch.Tensor]:
-    """The model state of checkpoint directory ``path`` (safetensors; ``ValueError`` naming the file if bad)."""
+    """The full model state of checkpoint directory ``path`` in this process (safetensors; ``ValueError`` naming the
+    file if bad); a ``sharded`` checkpoint's shards are assembled (:func:`fullband.training.sharded.read_model`)."""
+    if _layout(load_trainer_state(path), path) == "sharded":
+        load_sharded_index(path)  # every shard file there and readable
+        return S.read_model(path)
+    return _model_file(path)
+
+
+def _model_file(path: str) -> dict[str, torch.Tensor]:
     file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"checkpoint file {file!r} does not exist")
@@ -349,17 +413,44 @@ def load_legacy_rng(file: str) -> dict:
     return state
 
 
+def _layout(state: dict, path: str) -> str:
+    layout = state.get("layout", "full")
+    if layout not in LAYOUTS:
+        raise ValueError(f"checkpoint file {os.path.join(path, TRAINER_STATE)!r} names layout {str(layout)[:40]!r}, "
+                         f"not one of {', '.join(LAYOUTS)}")
+    return layout
+
+
 def load_checkpoint(path: str, rank: int = 0) -> dict:
     """Everything a resumed run needs from checkpoint ``path``, read and checked before anything is changed:
-    ``{"state", "model", "optimizer", "rng"}`` (``rng``: this rank's, else rank 0's)."""
+    ``{"state", "layout", "path", "model", "optimizer", "index", "rng"}``. ``full``: ``model`` and ``optimizer`` are
+    the full states; ``sharded``: ``index`` is the shards' index (every shard file's header read), the tensors are
+    read into the built model by :func:`restore_model`. ``rng``: this rank's states; a rank the saving run did not
+    have gets the shared prefix-mixing stream of rank 0's file alone (:func:`set_rng_state`)."""
     state = load_trainer_state(path)
-    rng_file = os.path.join(path, rng_file_name(rank))
-    if not os.path.exists(rng_file):
-        rng_file = os.path.join(path, rng_file_name(0))
+    layout = _layout(state, path)
+    own = os.path.exists(os.path.join(path, rng_file_name(rank)))
+    rng_file = os.path.join(path, rng_file_name(rank if own else 0))
     rng = safe_torch_load(rng_file) if state.get("format", 1) >= FORMAT else load_legacy_rng(rng_file)
     if not isinstance(rng, dict) or not {"torch", "prefix", "python", "numpy"} <= set(rng):
         raise ValueError(f"checkpoint file {rng_file!r} is corrupt (not an RNG state)")
+    if not own:
+        rng = {"prefix": rng["prefix"]}
+    out = {"state": state, "layout": layout, "path": path, "model": None, "optimizer": None, "index": None, "rng": rng}
+    if layout == "sharded":
+        out["index"] = load_sharded_index(path)
+        return out
     optimizer = safe_torch_load(os.path.join(path, OPTIMIZER_FILE))
     if not isinstance(optimizer, dict):
         raise ValueError(f"checkpoint file {os.path.join(path, OPTIMIZER_FILE)!r} is corrupt (not an optimizer state)")
-    return {"state": state, "model": load_model_state(path), "optimizer": optimizer, "rng": rng}
+    return {**out, "model": _model_file(path), "optimizer": optimizer}
+
+
+def restore_model(restored: dict, model, optimizer, env: D.DistEnv) -> None:
+    """Load what :func:`load_checkpoint` read into the built (wrapped) ``model`` and its ``optimizer``, whatever the
+    checkpoint's layout and this run's parallelism."""
+    if restored["layout"] == "sharded":
+        S.load_sharded(restored["path"], restored["index"], model, optimizer, env)
+        return
+    D.load_full_model_state(model, restored["model"])
+    D.load_full_optimizer_state(model, optimizer, restored["optimizer"])

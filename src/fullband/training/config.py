@@ -65,8 +65,10 @@ class TrainConfig:
     batch_size: int = config_field(16, "global batch in rows per optimizer step (split over processes and --grad-accum micro-batches)", group="data")
     grad_accum: int = config_field(1, "micro-batches per optimizer step (per process)", group="data")
     data_offset: int = config_field(0, "skip the first N batches of the data order (continue where an --init-from run stopped reading)", group="data")
+    unique_batches: int = config_field(0, "read only the rows of the first N batches of the data order (from --data-offset on), re-read in a fresh seeded order each epoch until --steps: the same unique tokens as an N-step run, for more FLOPs (0: off)", group="data")
     # ---- model
     preset: str = config_field("tiny", "backbone size from scratch: tiny (~3M), small (~25M), gpt2-small (~125M at a 50k vocabulary); micro (d64, tests)", group="model")
+    tie_embeddings: bool | None = config_field(None, "tie the LM head to the input embeddings (one tensor) of a backbone built from --preset (default: the preset's choice, tied for gpt2-small and llama-1b); an --init-from checkpoint keeps its own tying, and asking to change it is refused", group="model")
     init_from: str | None = config_field(None, "local HF causal-LM checkpoint to retrofit (or a fullband model to continue) instead of a preset", group="model")
     fusion: str = config_field("residual", "fusion of h_{t-1} and e_t: residual (u = e + GLU(h, e), measured best), glu (paper), concat, add", group="model")
     feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K)", branch=True, group="model")
@@ -84,6 +86,7 @@ class TrainConfig:
     grad_clip: float = config_field(1.0, "clip the global gradient norm to this (0: no clipping)", group="optim")
     fusion_lr_mult: float = config_field(10.0, "LR multiplier of the fusion weights' parameter groups", branch=True, group="optim")
     fusion_warmup: float = config_field(0.1, "fraction of the feedback phase over which the fusion LR warms up linearly from 0", branch=True, group="optim")
+    z_loss: float = config_field(0.0, "PaLM z-loss: add this x mean(logsumexp(logits)^2) over the supervised tokens to every pass's loss (reported as z_loss; 0: off)", group="optim")
     clip_per_group: bool = config_field(True, "clip the backbone's and the fusion's gradient norms separately (each to --grad-clip)", branch=True, group="optim")
     precision: str = config_field("auto", "auto (bf16 autocast on a GPU that supports it, else fp32), fp32 or bf16", group="optim")
     # ---- feedback schedule
@@ -97,6 +100,7 @@ class TrainConfig:
     # ---- long recurrences (K up to the row length: K = seq_len is the exact recurrence)
     grad_passes: int = config_field(0, "truncated gradients: passes 1..K-N run without gradient, the last N backpropagate (0: all K)", branch=True, group="feedback")
     pass_tol: float = config_field(0.0, "stop the passes early once max|h_k - h_{k-1}| / max|h_{k-1}| < this (the gradient passes still run; 0: off)", branch=True, group="feedback")
+    pass_mix: str | None = config_field(None, "K of each feedback step drawn from K:P pairs, e.g. 1:0.75,2:0.22,3:0.03 (the paper's per-batch mix; a function of --seed and the step alone); --num-passes must be its largest K and --deep-fraction 0", branch=True, group="feedback")
     pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback")
     # ---- stability guard
     spike_factor: float = config_field(3.0, "skip a step whose pass-1 loss exceeds this times its running average (0: off)", group="guard")
@@ -110,6 +114,10 @@ class TrainConfig:
     # ---- hardware
     device: str = config_field("auto", "auto, cpu, cuda or cuda:N", traj=False, group="hw")
     parallel: str = config_field("ddp", "under torchrun: ddp, or fsdp (FSDP2, for large models)", traj=False, group="hw")
+    # memory and speed: the same losses up to float rounding (not part of the trajectory)
+    compile: bool = config_field(False, "torch.compile the backbone's decoder layers (their attention, MLP and norms; the K-pass loop stays eager); the first steps are slow while it compiles", traj=False, group="hw")
+    activation_checkpointing: bool = config_field(False, "recompute each decoder layer in the backward instead of keeping its activations (passes with gradient; less memory, about one more forward of compute)", traj=False, group="hw")
+    loss_chunk: int = config_field(0, "compute each pass's loss N positions at a time from the final hidden states, each chunk's logits recomputed in the backward: no full [tokens, vocab] fp32 logits (0: off)", traj=False, group="hw")
     # ---- test hooks (hidden)
     debug_nan_steps: list = config_field([], "", traj=False, hidden=True)
     debug_kill_at_step: int | None = config_field(None, "", traj=False, hidden=True)
@@ -124,15 +132,15 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def schedule(self) -> FeedbackSchedule:
-        # --num-passes 1 is a plain baseline: no deep steps either
-        return FeedbackSchedule(start_fraction=self.feedback_start, num_passes=self.num_passes,
-                                deep_passes=self.deep_passes,
-                                deep_fraction=self.deep_fraction if self.num_passes > 1 else 0.0,
-                                curriculum=self.pass_curriculum)
+        return FeedbackSchedule.from_options(self)  # --num-passes 1: a plain baseline, no deep steps, no pass mix
 
     def pass_options(self) -> dict:
         """The K-pass forward's long-recurrence arguments of a training step (``grad_passes``, ``pass_tol``)."""
         return {"grad_passes": self.grad_passes or None, "pass_tol": self.pass_tol or None}
+
+    def loss_options(self) -> dict:
+        """The K-pass forward's loss arguments of every training step (``loss_chunk``, ``z_loss``; ``None``: off)."""
+        return {"loss_chunk": self.loss_chunk or None, "z_loss": self.z_loss or None}
 
     def switch_on(self) -> SwitchOn:
         return SwitchOn(feedback_ramp=self.feedback_ramp, fusion_warmup=self.fusion_warmup, fusion_only=self.fusion_only)
@@ -181,6 +189,7 @@ class TrainConfig:
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         need(self.data_offset >= 0, f"--data-offset must be >= 0, got {self.data_offset}")
+        need(self.unique_batches >= 0, f"--unique-batches must be >= 0 (0: off), got {self.unique_batches}")
         need(self.batch_size % (world_size * self.grad_accum) == 0,
              f"--batch-size {self.batch_size} must be divisible by processes x --grad-accum = {world_size} x {self.grad_accum}")
         if self.init_from is None:
@@ -196,6 +205,8 @@ class TrainConfig:
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         need(0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0, "--beta1 and --beta2 must be in [0, 1)")
         need(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        need(self.z_loss >= 0, f"--z-loss must be >= 0 (0: off), got {self.z_loss}")
+        need(self.loss_chunk >= 0, f"--loss-chunk must be >= 0 positions (0: off), got {self.loss_chunk}")
         need(self.fusion_lr_mult >= 0, f"--fusion-lr-mult must be >= 0, got {self.fusion_lr_mult}")
         need(self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         need(0.0 <= self.prefix_mix <= 1.0, f"--prefix-mix must be in [0, 1], got {self.prefix_mix}")

@@ -1,11 +1,14 @@
-"""Process groups, model wrapping (DDP or FSDP2) and full state dicts for ``fullband train``.
+"""Process groups, model wrapping (DDP or FSDP2) and the full state dicts of unsharded models for ``fullband train``.
 
 The same command runs single-process or under ``torchrun --nproc_per_node N``: :func:`init_distributed` reads
 torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``) and starts a process group (gloo on CPU, nccl on
 CUDA). :func:`wrap_model` wraps with ``DistributedDataParallel`` or, for large models, FSDP2 (``fully_shard`` on
-every decoder layer, then the root). Checkpoints always hold full (unsharded) tensors, so a run can resume with
-another parallelism. (The FSDP2 and distributed-checkpoint modules are imported where used: only sharded runs need
-them.)
+every decoder layer, then the root). A single process or DDP saves full state dicts (:func:`full_model_state`,
+:func:`full_optimizer_state`: one copy, no gather); an FSDP2 model is saved and exported shard by shard
+(:mod:`fullband.training.sharded`), never gathered. :func:`load_full_model_state` /
+:func:`load_full_optimizer_state` also load a full checkpoint into an FSDP2 model (each rank keeps its shards):
+a run resumes with another parallelism either way. (The FSDP2 and distributed-checkpoint modules are imported
+where used: only sharded runs need them.)
 """
 
 from __future__ import annotations
@@ -181,13 +184,16 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full CPU state dict of the model (collective under FSDP: every rank must call)."""
-    model = unwrap(model)
+def _refuse_sharded(model: nn.Module) -> None:
     if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        raise ValueError("an FSDP-sharded model's full state would be gathered onto one rank; save it with "
+                         "fullband.training.sharded instead")
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full CPU state dict of an unsharded (single-process or DDP) model."""
+    model = unwrap(model)
+    _refuse_sharded(model)
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
@@ -216,26 +222,47 @@ def _tied_names(model: nn.Module) -> set[str]:
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    if is_sharded(unwrap(model)):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(unwrap(model), optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The optimizer's state dict, for an unsharded model."""
+    _refuse_sharded(unwrap(model))
     return optimizer.state_dict()
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a full optimizer state: keyed by parameter index (``optimizer.state_dict()``, a single process's or
+    DDP's) or by parameter name (an FSDP run's before sharded checkpoints), into an unsharded or FSDP2 model."""
     if is_sharded(unwrap(model)):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        state = _keyed(model, optimizer, state, by_name=True)
         # strict=False: parameters never stepped yet (the fusion before feedback starts) have no saved state;
-        # torch initialises every parameter's state first (a zero-LR step), so drop what the checkpoint lacks:
-        # a resumed run must start those parameters' AdamW state afresh, as the uninterrupted run does
+        # torch initialises every parameter's state first (a zero-LR step), so drop what the checkpoint lacks
         set_optimizer_state_dict(unwrap(model), optimizer, state,
                                  options=StateDictOptions(full_state_dict=True, strict=False))
-        saved = set(state.get("state", {}))
-        names = {p: n for n, p in unwrap(model).named_parameters()}
-        for p in [p for p in optimizer.state if names.get(p) not in saved]:
-            del optimizer.state[p]
+        drop_unsaved_state(model, optimizer, set(state.get("state", {})))
         return
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(_keyed(model, optimizer, state, by_name=False))
+
+
+def _keyed(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, by_name: bool) -> dict:
+    """``state`` with its parameters named by FQN (``by_name``) or by index in the optimizer's groups."""
+    names = {p: n for n, p in unwrap(model).named_parameters()}
+    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
+    saved = [i for g in state.get("param_groups", []) for i in g["params"]]
+    if all(isinstance(i, str) for i in saved) == by_name:
+        return state
+    if len(saved) != len(order):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameters, this model {len(order)}")
+    to = dict(zip(saved, order)) if by_name else {n: i for i, n in enumerate(order)}
+    if not by_name and set(saved) != set(to):
+        unknown = sorted(set(saved) - set(to))[:5]
+        raise ValueError(f"the checkpoint's optimizer names parameters this model lacks: {unknown}")
+    return {"state": {to[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [to[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def drop_unsaved_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    """Forget the optimizer state of parameters the checkpoint has none for (named ``saved`` has the others): a
+    resumed run starts their AdamW state afresh, as the uninterrupted run does."""
+    names = {p: n for n, p in unwrap(model).named_parameters()}
+    for p in [p for p in optimizer.state if names.get(p) not in saved]:
+        del optimizer.state[p]

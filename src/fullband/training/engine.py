@@ -6,8 +6,9 @@ step ``(step, K)`` (``batch``), the periodic evaluation (``evaluate``) and what 
 
 * ``prepare``: validate the config, check the output directory, read a checkpoint to resume from (every file
   loaded safely and checked before anything is written), build the model through the recipe, write the tokenizer
-  and run config, wrap the model (DDP / FSDP2 under torchrun), build the optimizer, seed every RNG, restore the
-  checkpoint's model, optimizer, RNG, guard and token count;
+  and run config, prepare the decoder layers (``--activation-checkpointing``, ``--compile``:
+  :func:`prepare_layers`), wrap the model (DDP / FSDP2 under torchrun), build the optimizer, seed every RNG,
+  restore the checkpoint's model, optimizer, RNG, guard and token count;
 * ``train_step``: K from the feedback schedule, the LR schedule with the fusion's LR warm-up, the λ ramp and the
   fusion-only phase (:class:`fullband.training.schedule.SwitchOn`), forward + backward over the micro-batches
   (gradient accumulation, no all-reduce before the last), the guard, gradient clipping (global or per group),
@@ -32,6 +33,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..data.corpus import load_tokenizer
+from ..model.modeling import load_model
 from ..utils.io import atomic_save_pretrained, atomic_write_json, read_jsonl, rewrite_jsonl
 from . import distributed as D
 from .checkpoint import (
@@ -40,8 +42,10 @@ from .checkpoint import (
     SUMMARY,
     TOKENIZER_DIR,
     clear_outputs,
+    fallback_seed,
     load_checkpoint,
     prepare_out,
+    restore_model,
     save_checkpoint,
     set_rng_state,
 )
@@ -49,7 +53,9 @@ from .config import check_resume
 from .device import autocast_context
 from .metrics import Guard, MetricsLog, finite_or_none, plot_run
 from .optimizer import build_optimizer, clip_gradients, param_groups, set_learning_rates
+from .presets import check_tying, embeddings_tied
 from .schedule import lr_at, schedule_state
+from .sharded import save_pretrained_sharded
 
 EXIT_STOPPED = 3
 
@@ -78,8 +84,14 @@ class Recipe:
         raise NotImplementedError
 
     def build_model(self):
-        """A fresh model of the same shape (rank 0 gathers an FSDP model into it at the end)."""
+        """A fresh model of the same shape."""
         raise NotImplementedError
+
+    def final_model(self, model):
+        """The module saved (``save_pretrained``) into OUT at the end: ``model`` itself, or a part of it."""
+        return model
+
+    finish_needs_model = True  # False: finish() saves no more than the tokenizer (under FSDP it then gets None)
 
     def run_config(self) -> dict:
         return self.cfg.to_dict()
@@ -96,19 +108,47 @@ class Recipe:
         return None
 
     def finish(self, model, summary: dict) -> None:
-        """Rank 0, after the last step: save the model and tokenizer; final evaluations into ``summary``."""
+        """Rank 0, after the last step, once :meth:`final_model` is saved: the tokenizer; final evaluations into
+        ``summary``. ``model``: the trained model (under FSDP, the saved one loaded back, or ``None``)."""
 
     def summarize(self, summary: dict) -> None:
         """Add the recipe's fields to the run's summary (every status)."""
 
 
+def prepare_layers(model, compile: bool = False, checkpointing: bool = False) -> None:
+    """``--activation-checkpointing`` and ``--compile`` on the backbone's decoder layers, in place (parameter
+    names unchanged), before DDP / FSDP2 wrapping.
+
+    Checkpointing is Hugging Face's own (``activation_checkpointing_enable``, non-reentrant
+    ``torch.utils.checkpoint``): each decoder layer's forward is recomputed in the backward, with FSDP2's hooks
+    outside the checkpoint, and only in passes that keep a graph (no-gradient passes run the layer as it is).
+    Compilation is ``nn.Module.compile`` of each layer's sub-modules (attention, MLP, norms), not of the layer:
+    a compiled layer would trace the checkpoint as a higher-order op, which cannot take the graph break of HF's
+    output-capturing hooks inside it and silently runs eager; the children compile with or without
+    checkpointing, and the K-pass loop with its data-dependent ``--pass-tol`` branch stays eager."""
+    backbone = getattr(model, "backbone", model)
+    if checkpointing:
+        if not getattr(backbone, "supports_gradient_checkpointing", False):
+            raise ValueError(f"--activation-checkpointing: {type(backbone).__name__} does not support activation "
+                             "checkpointing; train without it")
+        backbone.activation_checkpointing_enable({"use_reentrant": False})
+    if compile:
+        layers = D.decoder_layers(model)
+        if not layers:
+            raise ValueError(f"--compile: no decoder layers found in {type(backbone).__name__}; train without it")
+        for layer in layers:
+            for child in layer.children():
+                child.compile()
+
+
 def forward_backward(model, micro_batches: list[dict], num_passes: int, autocast, loss_weight: float = 1.0,
                      nan: bool = False, feedback_weight: float | None = None, passes_run: list | None = None,
-                     **pass_options):
+                     z_losses: list | None = None, **pass_options):
     """Forward + backward over micro-batches (each a dict of model arguments); each loss is multiplied by
     ``loss_weight`` before backward. Returns the summed ``(loss, pass_losses)`` tensors, unweighted.
     ``feedback_weight`` overrides the model's λ for these calls; ``pass_options`` (``grad_passes``, ``pass_tol``)
     go to the K-pass forward, and the passes each micro-batch ran are appended to ``passes_run`` when given;
+    so are ``loss_chunk`` and ``z_loss``, each micro-batch's z-loss term appended to ``z_losses`` when given;
     ``nan`` poisons the loss (a test hook)."""
     n = len(micro_batches)
     loss_sum, pass_sum = None, None
@@ -118,6 +158,8 @@ def forward_backward(model, micro_batches: list[dict], num_passes: int, autocast
             out = model(**kwargs, num_passes=num_passes, feedback_weight=feedback_weight, **pass_options)
             if passes_run is not None:
                 passes_run.append((out.passes_run or num_passes, out.grad_passes_run or num_passes))
+            if z_losses is not None and out.z_loss is not None:
+                z_losses.append(out.z_loss.float())
             loss = out.loss
             if nan:
                 loss = loss * float("nan")
@@ -170,6 +212,8 @@ class Trainer:
         tok_dir = os.path.join(cfg.out, TOKENIZER_DIR)
         resumed_tok = load_tokenizer(tok_dir) if (ckpt is not None and os.path.isdir(tok_dir)) else None
         model, self.tokenizer = self.recipe.setup(resumed_tok)
+        if cfg.init_from is not None:  # a preset's backbone is built with the tying asked for
+            check_tying(getattr(cfg, "tie_embeddings", None), embeddings_tied(model), f"--init-from {cfg.init_from!r}")
 
         # ---- the output directory: from here on things are written
         if env.is_main:
@@ -182,6 +226,7 @@ class Trainer:
         D.barrier(env)
 
         model.to(env.device).train()
+        prepare_layers(model, cfg.compile, cfg.activation_checkpointing)
         self.model = model = D.wrap_model(model, env, cfg.parallel) if env.distributed else model
         self.optimizer = build_optimizer(D.unwrap(model), cfg, env.device, D.is_sharded(D.unwrap(model)))
         self.prefix_gen = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
@@ -196,17 +241,18 @@ class Trainer:
 
     def restore(self, restored: dict) -> None:
         cfg, env, model = self.cfg, self.env, self.model
-        D.load_full_model_state(model, restored["model"])
-        D.load_full_optimizer_state(model, self.optimizer, restored["optimizer"])
+        restore_model(restored, model, self.optimizer, env)  # full or sharded, onto this run's parallelism
         # the saved groups carry the old run's options (lr_mult among them); options allowed to change win
         for group, fresh in zip(self.optimizer.param_groups, param_groups(D.unwrap(model), cfg)):
             group["lr_mult"] = fresh["lr_mult"]
-        set_rng_state(restored["rng"], self.prefix_gen)
         state = restored["state"]
+        set_rng_state(restored["rng"], self.prefix_gen, fallback_seed(cfg.seed, env.rank, state["step"]))
         self.guard = Guard.restored(cfg.spike_factor, state["guard"])
         self.start = state["step"]
         self.elapsed_before = state.get("elapsed", 0.0)
         self.tokens = state.get("tokens", 0)
+        if state.get("embed_rms") is not None:
+            D.unwrap(model).config.embed_rms = state["embed_rms"]
         if env.is_main:  # forget what a killed run logged after its checkpoint
             path = os.path.join(cfg.out, METRICS)
             rewrite_jsonl(path, [r for r in read_jsonl(path) if r.get("step", 0) <= self.start])
@@ -226,7 +272,7 @@ class Trainer:
         self.eval_every = cfg.eval_every or max(1, cfg.steps // 10)
         self.log = MetricsLog(cfg, env.is_main, self.start, self.recipe.name)
         if env.is_main and self.start == 0:
-            feedback = (f"feedback from step {self.fb_start + 1} (K={cfg.num_passes}), " if cfg.feedback_ever
+            feedback = (f"feedback from step {self.fb_start + 1} ({self.sched.describe()}), " if cfg.feedback_ever
                         else "no feedback (K=1), ")
             self.log.write(self.recipe.describe(D.unwrap(model)) + feedback
                            + f"{env.world_size} process(es), {precision}, device {env.device}")
@@ -260,18 +306,20 @@ class Trainer:
         frozen = self.switch_on.backbone_frozen(step, self.fb_start, cfg.steps)
         weight = cfg.feedback_weight * self.switch_on.feedback_weight_factor(step, self.fb_start, cfg.steps)
         batch = self.recipe.batch(step, K, self.prefix_gen, env)
-        ran = []
+        ran, zs = [], []
         loss_sum, pass_sum = forward_backward(model, batch.micro, K, self.autocast, batch.loss_weight,
                                               nan=(step + 1) in cfg.debug_nan_steps, feedback_weight=weight,
-                                              passes_run=ran, **(cfg.pass_options() if K > 1 else {}))
+                                              passes_run=ran, z_losses=zs, **cfg.loss_options(),
+                                              **(cfg.pass_options() if K > 1 else {}))
         if K == 1:
             for p in self.fusion_params:  # unused on a plain step: no update, no weight decay, as single-process
                 p.grad = None
         if frozen:
             for p in self.backbone_params:  # fusion-only phase: the backbone is not updated
                 p.grad = None
-        stats = D.all_reduce_mean(torch.cat([loss_sum.view(1), pass_sum]) * batch.loss_weight, env).tolist()
-        loss, pass_losses = stats[0], stats[1:]
+        z_sum = [torch.stack(zs).sum().view(1)] if zs else []  # the z-loss inside the loss (--z-loss)
+        stats = D.all_reduce_mean(torch.cat([loss_sum.view(1), pass_sum, *z_sum]) * batch.loss_weight, env).tolist()
+        loss, pass_losses = stats[0], stats[1:1 + len(pass_sum)]
         reason = guard.check(loss, pass_losses[0], None)
         grad_norm, fusion_norm = float("nan"), None
         if reason is None:
@@ -302,6 +350,8 @@ class Trainer:
         if K > 1 and (cfg.grad_passes or cfg.pass_tol):  # what the long-recurrence options ran (FLOP counts)
             rec["passes_run"] = sum(r for r, _ in ran) / len(ran)
             rec["grad_passes_run"] = sum(g for _, g in ran) / len(ran)
+        if zs:
+            rec["z_loss"] = finite_or_none(stats[-1])
         if frozen:
             rec["backbone_frozen"] = True
         if reason is not None:
@@ -340,7 +390,9 @@ class Trainer:
         cfg = self.cfg
         state = {"tokens": self.tokens, "elapsed": self.elapsed(), "world_size": self.env.world_size,
                  "guard": self.guard.to_dict(), "config": cfg.to_dict(),
-                 "data_position": {"next_batch": step, "seed": cfg.seed}, "schedule": schedule_state(cfg, step)}
+                 "data_position": {"next_batch": step, "seed": cfg.seed}, "schedule": schedule_state(cfg, step),
+                 # re-measured when feedback switched on (reset_feedback): config.json of a resumed run has it too
+                 "embed_rms": getattr(D.unwrap(self.model).config, "embed_rms", None)}
         return save_checkpoint(cfg.out, step, self.env, self.model, self.optimizer, self.prefix_gen, state,
                                keep=cfg.keep_checkpoints)
 
@@ -359,19 +411,21 @@ class Trainer:
         return summary
 
     def finish(self, summary: dict) -> None:
-        """The final model (gathered to rank 0 under FSDP) through the recipe, and the curves."""
+        """The final model (under FSDP written shard by shard, never gathered: :func:`save_pretrained_sharded`),
+        the recipe's finish and the curves."""
         cfg, env = self.cfg, self.env
         model = D.unwrap(self.model)
         if D.is_sharded(model):
-            state = D.full_model_state(self.model)
-            model = None
-            if env.is_main:
-                model = self.recipe.build_model()
-                D.load_full_model_state(model, state)
+            save_pretrained_sharded(self.recipe.final_model(model), cfg.out, env)
+            model = load_model(cfg.out, dtype=torch.float32) if env.is_main and self.recipe.finish_needs_model else None
+        elif env.is_main:
+            atomic_save_pretrained(self.recipe.final_model(model), cfg.out, mode="merge")
         if env.is_main:
-            model.eval()
+            if model is not None:
+                model.eval()
             self.recipe.finish(model, summary)
             if cfg.plot:
                 plot_run(cfg.out, self.recipe.plot_name, self.recipe.plot_title)
-            model.train()
+            if model is not None:
+                model.train()
         D.barrier(env)

@@ -3,8 +3,9 @@
 Owns
 * :class:`PassSchedule` -- what ``fullband train`` decides per step, for a trainer that is not the package's own:
   K from :class:`fullband.training.schedule.FeedbackSchedule` (plain steps, then ``num_passes`` with a spread
-  fraction of ``deep_passes``), the λ ramp of :class:`~fullband.training.schedule.SwitchOn`, prefix mixing, and
-  the fusion's re-initialisation at switch-on; the defaults are ``fullband train``'s;
+  fraction of ``deep_passes``, a curriculum in K, or K drawn per step from a pass mix: built from the same options
+  as ``fullband train`` builds it), the λ ramp of :class:`~fullband.training.schedule.SwitchOn`, prefix mixing,
+  and the fusion's re-initialisation at switch-on; the defaults are ``fullband train``'s;
 * :class:`FeedbackTrainerMixin` -- ``compute_loss`` runs the model's K-pass forward with the step's K, feedback
   mask and λ (a function of ``state.global_step`` and ``state.max_steps`` alone, so a resumed trainer makes the
   same choices), ``create_optimizer`` gives the fusion its own parameter groups at ``fusion_lr_mult`` times the LR
@@ -43,6 +44,8 @@ class PassSchedule:
     num_passes: int = _DEFAULTS.num_passes
     deep_passes: int = _DEFAULTS.deep_passes
     deep_fraction: float = _DEFAULTS.deep_fraction
+    pass_curriculum: float = _DEFAULTS.pass_curriculum
+    pass_mix: str | None = _DEFAULTS.pass_mix  # "1:0.75,2:0.22,3:0.03": K drawn per step (see FeedbackSchedule)
     prefix_mix: float = _DEFAULTS.prefix_mix
     feedback_weight: float = _DEFAULTS.feedback_weight
     feedback_ramp: float = _DEFAULTS.feedback_ramp
@@ -64,9 +67,7 @@ class PassSchedule:
         return cls(**{**{n: getattr(cfg, n) for n in names}, **overrides})
 
     def feedback(self) -> FeedbackSchedule:
-        return FeedbackSchedule(start_fraction=self.feedback_start, num_passes=self.num_passes,
-                                deep_passes=self.deep_passes,
-                                deep_fraction=self.deep_fraction if self.num_passes > 1 else 0.0)
+        return FeedbackSchedule.from_options(self)  # as `fullband train` builds it from its options
 
     def passes_at(self, step: int, total_steps: int) -> int:
         return self.feedback().passes_at(min(step, total_steps - 1), total_steps)
@@ -111,7 +112,8 @@ class FeedbackTrainerMixin:
         K = self.pass_schedule.passes_at(step, total)
         unwrapped = self.accelerator.unwrap_model(model)
         sched = self.pass_schedule.feedback()
-        if (K > 1 and self.pass_schedule.reset_fusion and step == sched.start_step(total) > 0
+        # at the feedback start, whatever K that step draws (a pass mix may give it K = 1)
+        if (sched.num_passes > 1 and self.pass_schedule.reset_fusion and step == sched.start_step(total) > 0
                 and self._micro[0] != step):
             unwrapped.reset_feedback(torch.Generator().manual_seed(self.pass_schedule.seed * 31 + 7))
         micro = self._micro[1] + 1 if self._micro[0] == step else 0

@@ -5,15 +5,13 @@ Owns :func:`make_plan` and :func:`format_plan`: the parameters (backbone built o
 1B-parameter config costs no memory; the fusion counted from its own module), the training FLOPs of one step for
 every K the feedback schedule uses and of the whole run (:func:`fullband.eval.flops.training_flops`, as experiments
 count a finished run: ``6·N + 6·L·T·d`` per token and pass with gradient, plus ``6·N_fusion`` per fused pass, a third
-of that for the passes ``--grad-passes`` runs without gradient), the memory of one
-device (weights, gradients and AdamW state under DDP or sharded by FSDP; activations with and without activation
-checkpointing) and the time at a stated MFU on a named GPU. Every memory and time figure is an estimate: the
-assumptions are printed with it.
+of that for the passes ``--grad-passes`` runs without gradient), the memory of one device (weights, gradients
+and AdamW state under DDP or sharded by FSDP; the activations as the run's ``--activation-checkpointing`` and
+``--loss-chunk`` keep them, and what both levers together would keep) and the time at a stated MFU on a named GPU.
+Every memory and time figure is an estimate: the assumptions are printed with it.
 """
 
 from __future__ import annotations
-
-import collections
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -23,7 +21,7 @@ from ..eval.flops import training_flops
 from ..model.configuration import FullBandwidthConfig
 from ..model.feedback import build_fusion
 from .config import TrainConfig
-from .presets import backbone_config
+from .presets import backbone_config, check_tying
 
 # dense bf16 tensor-core peak, FLOP/s (vendors' data sheets, without sparsity)
 GPU_PEAK_BF16 = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12, "rtx4090": 165e12, "a10g": 125e12}
@@ -41,11 +39,13 @@ def _backbone_config(cfg: TrainConfig):
                              f"{str(err).splitlines()[0]}") from None
         if isinstance(conf, FullBandwidthConfig):
             conf = conf.text_config
+        check_tying(cfg.tie_embeddings, bool(getattr(conf, "tie_word_embeddings", False)), f"--init-from {cfg.init_from!r}")
         return conf
     vocab = cfg.vocab_size
     if cfg.tokenizer is not None:
         vocab = len(load_tokenizer(cfg.tokenizer))
-    return backbone_config(cfg.preset, vocab, max_position_embeddings=max(2048, cfg.seq_len))
+    return backbone_config(cfg.preset, vocab, max_position_embeddings=max(2048, cfg.seq_len),
+                           tie_word_embeddings=cfg.tie_embeddings)
 
 
 def count_parameters(cfg: TrainConfig) -> dict:
@@ -67,23 +67,31 @@ def count_parameters(cfg: TrainConfig) -> dict:
 
 
 def passes_histogram(cfg: TrainConfig) -> dict[int, int]:
-    """How many steps of the run use each K (the schedule is a function of the step index alone)."""
-    sched = cfg.schedule()
-    return dict(sorted(collections.Counter(sched.passes_at(s, cfg.steps) for s in range(cfg.steps)).items()))
+    """How many steps of the run use each K (the schedule is a function of the step index alone: a pass mix's
+    draws are the run's own)."""
+    return cfg.schedule().histogram(cfg.steps)
 
 
-def activation_bytes_per_token(p: dict, act_bytes: int, checkpointing: bool, gpu_attention: bool) -> float:
+def activation_bytes_per_token(p: dict, act_bytes: int, checkpointing: bool, gpu_attention: bool,
+                               loss_chunk: int = 0) -> float:
     """Saved activations of one token through the backbone, one pass (an estimate).
 
     A Llama-style layer saves about ``10·d + 4·f`` values per token for its backward (norm inputs and outputs,
     q/k/v after RoPE, the attention output, the MLP's gate, up, activation and product); eager attention (CPU) also
     keeps ``2·heads·T`` probabilities per token, which fused attention kernels (GPU) do not. With activation
     checkpointing only each layer's input (``d``) is kept, and one layer is recomputed at a time. The LM head's
-    fp32 logits (``V`` values, kept for the loss's backward) are counted separately."""
+    fp32 logits (``V`` values, kept for the loss's backward) are added unless ``loss_chunk`` (``--loss-chunk``)
+    computes the loss without them (:func:`loss_chunk_bytes` is then the loss's memory)."""
     d, f, L = p["hidden"], p["intermediate"], p["layers"]
     per_layer = 10 * d + 4 * f + (0 if gpu_attention else 2 * p["heads"] * p["seq_len"])
     layers = L * d + per_layer if checkpointing else L * per_layer
-    return layers * act_bytes + p["vocab"] * 4
+    return layers * act_bytes + (0 if loss_chunk else p["vocab"] * 4)
+
+
+def loss_chunk_bytes(p: dict, loss_chunk: int, micro_tokens: int) -> float:
+    """The chunked loss's memory: one chunk's fp32 logits and their gradient (``2 x 4`` bytes per position and
+    vocabulary entry) while that chunk is recomputed in the backward; none without ``--loss-chunk``."""
+    return 8 * min(loss_chunk, micro_tokens) * p["vocab"] if loss_chunk else 0
 
 
 def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: float = 0.4,
@@ -115,17 +123,21 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
     micro_tokens = cfg.batch_size // (world_size * cfg.grad_accum) * cfg.seq_len
     k_max = max(hist)
     grad_passes = cfg.grad_passes or k_max  # passes that keep their graph for the backward
-    activations = {}
-    for ckpt in (False, True):
-        per_token = activation_bytes_per_token(p, 2, ckpt, gpu_attention=True)
-        activations["with_checkpointing" if ckpt else "without_checkpointing"] = \
-            micro_tokens * per_token * min(grad_passes, k_max)
+    graphs = min(grad_passes, k_max)
+    ckpt, chunk = cfg.activation_checkpointing, cfg.loss_chunk
+    per_token = activation_bytes_per_token(p, 2, ckpt, gpu_attention=True, loss_chunk=chunk)
+    activations = micro_tokens * per_token * graphs + loss_chunk_bytes(p, chunk, micro_tokens)
+    # what both levers would keep (--activation-checkpointing, --loss-chunk at the run's or 4,096 positions)
+    lever_chunk = chunk or 4096
+    with_levers = (micro_tokens * activation_bytes_per_token(p, 2, True, gpu_attention=True, loss_chunk=lever_chunk)
+                   * graphs + loss_chunk_bytes(p, lever_chunk, micro_tokens))
     static = sum(states.values())
-    fits = None  # the smallest --grad-accum whose activations (no checkpointing) fit in 90% of the device
-    per_row = activation_bytes_per_token(p, 2, False, gpu_attention=True) * cfg.seq_len * min(grad_passes, k_max)
+    fits = None  # the smallest --grad-accum whose activations (with the run's options) fit in 90% of the device
+    per_row = per_token * cfg.seq_len * graphs
     rows = cfg.batch_size // world_size
     for accum in (a for a in range(1, rows + 1) if rows % a == 0):
-        if static + per_row * rows // accum <= 0.9 * GPU_MEMORY_GIB[gpu] * GIB:
+        micro = rows // accum * cfg.seq_len
+        if static + per_row * rows // accum + loss_chunk_bytes(p, chunk, micro) <= 0.9 * GPU_MEMORY_GIB[gpu] * GIB:
             fits = accum
             break
     peak = GPU_PEAK_BF16[gpu]
@@ -134,14 +146,18 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
         "model": p, "tokens_per_step": tokens_per_step, "steps": cfg.steps, "tokens": tokens_per_step * cfg.steps,
         "passes_histogram": hist, "flops_per_step": per_k, "total_flops": total_flops,
         "flops_per_token_pass": training_flops([{"num_passes": 1}], 1, cfg.seq_len, fp)["flops"],
-        "memory_per_device_bytes": {**states, **{f"activations_{k}": v for k, v in activations.items()}},
-        "micro_batch_tokens": micro_tokens, "grad_accum_to_fit": fits, "passes_with_graph": min(grad_passes, k_max),
+        "memory_per_device_bytes": {**states, "activations": activations},
+        "activations_with_levers_bytes": with_levers, "lever_loss_chunk": lever_chunk,
+        "activation_checkpointing": ckpt, "loss_chunk": chunk,
+        "micro_batch_tokens": micro_tokens, "grad_accum_to_fit": fits, "passes_with_graph": graphs,
         "devices": world_size, "parallel": parallel, "gpu": gpu, "gpu_memory_gib": GPU_MEMORY_GIB[gpu],
         "gpu_peak_bf16_flops": peak, "mfu": mfu, "seconds": seconds,
         "assumptions": ("estimates: FLOPs 6N+6LTd per token and pass with gradient (+6 N_fusion per fused pass; a "
                         "third of that without gradient), causal attention; memory fp32 weights+grads+AdamW (16 B/param, sharded under FSDP) plus bf16 weight "
-                        "copies, bf16 activations of the deepest K's passes with fused attention, fp32 logits "
-                        "V x 4 B per token and pass (no chunked loss); time = total FLOPs / (devices x peak x MFU)"),
+                        "copies, bf16 activations of the deepest K's passes with fused attention (with "
+                        "--activation-checkpointing: each layer's input and one layer's insides), fp32 logits "
+                        "V x 4 B per token and pass (with --loss-chunk N: none, but one chunk's logits and gradient, "
+                        "N x V x 8 B); time = total FLOPs / (devices x peak x MFU)"),
     }
 
 
@@ -176,18 +192,27 @@ def format_plan(plan: dict) -> str:
         + f"; whole run {_si(plan['total_flops'])}FLOP",
         f"memory per device ({plan['devices']} x {plan['gpu'].upper()}, {plan['gpu_memory_gib']} GiB, "
         f"{plan['parallel']}; micro-batch {plan['micro_batch_tokens']:,} tokens, {plan['passes_with_graph']} "
-        "pass(es) with a graph): "
+        f"pass(es) with a graph; activation checkpointing {'on' if plan['activation_checkpointing'] else 'off'}, "
+        + (f"loss chunks of {plan['loss_chunk']:,} positions" if plan["loss_chunk"] else "full fp32 logits") + "): "
         + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f} GiB" for k, v in mem.items()),
         f"time at {plan['mfu']:.0%} MFU of {_si(plan['gpu_peak_bf16_flops'])}FLOP/s bf16 per device: "
         f"{_duration(plan['seconds'])}",
         f"({plan['assumptions']})",
     ]
-    static = sum(v for k, v in mem.items() if not k.startswith("activations"))
-    need = (static + mem["activations_without_checkpointing"]) / GIB
+    static = sum(v for k, v in mem.items() if k != "activations")
+    need = (static + mem["activations"]) / GIB
     if need > plan["gpu_memory_gib"]:
         fits = plan["grad_accum_to_fit"]
+        levers = []
+        if not plan["activation_checkpointing"]:
+            levers.append("--activation-checkpointing")
+        if not plan["loss_chunk"]:
+            levers.append(f"--loss-chunk {plan['lever_loss_chunk']}")
+        hint = (f"; with {' '.join(levers)}: about {(static + plan['activations_with_levers_bytes']) / GIB:.0f} GiB"
+                if levers else "")
         lines.append(f"warning: about {need:.0f} GiB per device exceeds the {plan['gpu_memory_gib']} GiB of one "
                      + plan["gpu"].upper() + ": " + (f"--grad-accum {fits} fits (micro-batches of "
                                                     f"{plan['tokens_per_step'] // plan['devices'] // fits:,} tokens)"
-                                                    if fits else "no --grad-accum fits; use more devices (FSDP)"))
+                                                    if fits else "no --grad-accum fits; use more devices (FSDP)")
+                     + hint)
     return "\n".join(lines)

@@ -6,7 +6,8 @@ Owns what pre-training adds to :mod:`fullband.training.engine`:
   ``datasets`` directories), a BPE trained on the training documents or a local tokenizer, packed rows, split by
   document; or a directory of ``fullband data prepare``, memory-mapped (:mod:`fullband.data.shards`); batch
   ``step`` is a seeded permutation's slice (:func:`fullband.data.order.batch_rows`, shifted by ``--data-offset``;
-  each rank reads only its rows), with per-document prefix mixing on feedback steps;
+  each rank reads only its rows; ``--unique-batches N``: the rows of the first N batches re-read epoch after epoch,
+  :func:`fullband.data.order.pool_batch_rows`), with per-document prefix mixing on feedback steps;
 * model: a Llama-style backbone from a size preset (:mod:`fullband.training.presets`), or ``--init-from DIR`` (a
   local HF causal LM, retrofitted; or a saved fullband model, continued). A fusion built here (not trained) is
   re-initialised when feedback switches on, at the scale the embeddings have by then;
@@ -32,6 +33,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..data.corpus import batch_rows, build_corpus, load_tokenizer, special_ids
+from ..data.order import pool_batch_rows
 from ..data.shards import is_prepared, open_prepared
 from ..eval.scoring import evaluate_loss
 from ..model.configuration import FullBandwidthConfig
@@ -100,7 +102,7 @@ def build_model(cfg: TrainConfig, tokenizer):
                              "give the checkpoint's own tokenizer with --tokenizer")
     else:
         config = backbone_config(cfg.preset, len(tokenizer), bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-                                 max_position_embeddings=max(2048, cfg.seq_len))
+                                 max_position_embeddings=max(2048, cfg.seq_len), tie_word_embeddings=cfg.tie_embeddings)
         backbone = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = FullBandwidthForCausalLM.from_backbone(backbone, fusion=cfg.fusion, doc_start_token_id=bos, **feedback)
     return model.float()
@@ -190,14 +192,21 @@ class PretrainRecipe(Recipe):
         n_params = sum(p.numel() for p in model.parameters())
         return (f"{self.name}: {n_params / 1e6:.2f}M parameters, {rows.shape[0]} train rows x {cfg.seq_len} "
                 f"tokens ({rows.numel():,}), {self.val_rows.shape[0]} val rows; {cfg.steps} steps x "
-                f"{cfg.batch_size * cfg.seq_len:,} tokens, ")
+                f"{cfg.batch_size * cfg.seq_len:,} tokens, "
+                + (f"re-reading the {cfg.unique_batches * cfg.batch_size} rows of batches {cfg.data_offset}.."
+                   f"{cfg.data_offset + cfg.unique_batches - 1} of the data order each epoch, " if cfg.unique_batches
+                   else ""))
 
     def batch(self, step, num_passes, generator, env):
         cfg = self.cfg
         per_rank = cfg.batch_size // env.world_size
         micro = per_rank // cfg.grad_accum
         order = getattr(self.corpus, "order", "randperm")
-        index = batch_rows(step + cfg.data_offset, cfg.batch_size, self.train_rows.shape[0], cfg.seed, order)
+        if cfg.unique_batches:  # re-read the rows of the ordinary order's batches data_offset .. +N-1, epoch after epoch
+            index = pool_batch_rows(step, cfg.batch_size, self.train_rows.shape[0], cfg.seed, order,
+                                    cfg.unique_batches, cfg.data_offset)
+        else:
+            index = batch_rows(step + cfg.data_offset, cfg.batch_size, self.train_rows.shape[0], cfg.seed, order)
         lo = env.rank * per_rank
         rows = self.train_rows[index[lo:lo + per_rank]]  # this rank's rows only: ranks read disjoint rows
         local_mask = None
@@ -227,11 +236,14 @@ class PretrainRecipe(Recipe):
             rec["val_num_passes"] = cfg.num_passes
         return rec
 
-    def finish(self, model, summary):
+    finish_needs_model = False
+
+    def final_model(self, model):
         # a plain run (feedback never on) is saved as the plain HF checkpoint of its backbone: its fusion was never
         # trained, and `lm_eval --model hf`, `pipeline(...)` and `--init-from` take it as the plain model it is
-        saved = model if self.cfg.feedback_ever else model.backbone
-        atomic_save_pretrained(saved, self.cfg.out, mode="merge")
+        return model if self.cfg.feedback_ever else model.backbone
+
+    def finish(self, model, summary):
         atomic_save_pretrained(self.tokenizer, self.cfg.out, mode="merge")
 
     def summarize(self, summary):
@@ -283,6 +295,8 @@ def run_differences(cfg: TrainConfig, corpus=None) -> list[str] | None:
         return None
     saved = _read_json(os.path.join(cfg.out, RUN_CONFIG))
     saved = saved if isinstance(saved, dict) else {}
+    # an option the run's saved config lacks is newer than the run: it ran as that option's default says
+    saved = {**type(cfg)().to_dict(), **saved}
     diffs = [f"--{flag_name(k)} {_short(saved.get(k))} -> {_short(v)}" for k, v in cfg.to_dict().items()
              if k not in _NOT_TRAJECTORY and saved.get(k) != v]
     if corpus is not None and summary.get("data_sha256") != data_fingerprint(corpus):

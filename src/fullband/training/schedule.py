@@ -2,15 +2,18 @@
 
 Owns :func:`lr_at` (warmup, then cosine, WSD or constant), :class:`FeedbackSchedule` (K for a step: plain before a
 start fraction, then ``num_passes`` -- reached through a curriculum in K when asked -- with a deterministic
-``deep_fraction`` of the steps at ``deep_passes``) and
+``deep_fraction`` of the steps at ``deep_passes``; or K drawn per step from a pass mix, :func:`parse_pass_mix`) and
 :class:`SwitchOn` (λ ramp, fusion LR warm-up, fusion-only phase). Each is a function of the step index and the
 config alone, so a resumed run makes exactly the same choices.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass
+
+from ..utils.errors import UsageError
 
 
 def lr_at(step: int, cfg) -> float:
@@ -43,7 +46,13 @@ class FeedbackSchedule:
       fraction of the feedback phase (``span = max(1, round(curriculum · (total - start)))`` steps) K climbs
       linearly from 2 to ``num_passes``, ``K_i = min(num_passes, 2 + floor(i · (num_passes - 1) / span))`` for
       step i after the start, each value held for about ``span / (num_passes - 1)`` steps; the deep steps are
-      unaffected.
+      unaffected;
+    * a pass mix ``((K, p), ...)`` (the paper's per-batch mix, e.g. 75% K=1 / 22% K=2 / 3% K=3): every step from
+      the start draws its K from the mix, independently, with a uniform ``u`` in [0, 1) that is a function of
+      ``(seed, step)`` alone (:func:`step_uniform`), so a resumed run, every rank and a dry-run plan make the same
+      draws; K is the first entry (in ascending K) whose cumulative probability exceeds ``u``. A mix replaces the
+      deep steps and the curriculum (both must be off) and its largest K must be ``num_passes`` (the K the
+      periodic evaluation and the memory plan use).
     """
 
     start_fraction: float = 0.75
@@ -51,6 +60,8 @@ class FeedbackSchedule:
     deep_passes: int = 4
     deep_fraction: float = 0.1
     curriculum: float = 0.0
+    pass_mix: tuple = ()  # ((K, probability), ...) in ascending K; () = off
+    seed: int = 0  # of the pass-mix draws
 
     def __post_init__(self):
         if not 0.0 <= self.start_fraction <= 1.0:
@@ -63,6 +74,27 @@ class FeedbackSchedule:
             raise ValueError(f"deep_fraction must be in [0, 1], got {self.deep_fraction}")
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"curriculum must be in [0, 1], got {self.curriculum}")
+        if self.pass_mix:
+            mix = tuple((int(k), float(p)) for k, p in self.pass_mix)
+            check_pass_mix(mix)
+            object.__setattr__(self, "pass_mix", tuple(sorted(mix)))
+            top = max(k for k, _ in mix)
+            if self.num_passes != top:
+                raise ValueError(f"--num-passes must be the largest K of --pass-mix ({top}), got {self.num_passes}")
+            if self.deep_fraction > 0:
+                raise ValueError("--pass-mix chooses K on every feedback step: give --deep-fraction 0 with it "
+                                 f"(got {self.deep_fraction})")
+            if self.curriculum > 0:
+                raise ValueError(f"--pass-mix and --pass-curriculum {self.curriculum} both choose K: use one")
+
+    @classmethod
+    def from_options(cls, opts) -> "FeedbackSchedule":
+        """The schedule of a run's options (``fullband train``'s :class:`~fullband.training.config.TrainConfig`,
+        the HF trainers' ``PassSchedule``): ``--num-passes 1`` is a plain baseline, no deep steps and no pass mix."""
+        plain, mix = opts.num_passes <= 1, parse_pass_mix(opts.pass_mix)  # a bad mix is refused either way
+        return cls(start_fraction=opts.feedback_start, num_passes=opts.num_passes, deep_passes=opts.deep_passes,
+                   deep_fraction=0.0 if plain else opts.deep_fraction, curriculum=opts.pass_curriculum,
+                   pass_mix=() if plain else mix, seed=opts.seed)
 
     def start_step(self, total_steps: int) -> int:
         return math.ceil(self.start_fraction * total_steps)
@@ -77,6 +109,13 @@ class FeedbackSchedule:
         if step < start:
             return 1
         i = step - start
+        if self.pass_mix:
+            u, total = step_uniform(self.seed, step), 0.0
+            for k, p in self.pass_mix:
+                total += p
+                if u < total:
+                    return k
+            return self.pass_mix[-1][0]  # the probabilities sum to 1 within 1e-6: u in the rounding gap
         if self.deep_fraction > 0 and math.floor((i + 1) * self.deep_fraction) > math.floor(i * self.deep_fraction):
             return self.deep_passes
         if self.curriculum > 0 and self.num_passes > 2:
@@ -87,8 +126,73 @@ class FeedbackSchedule:
 
     __call__ = passes_at
 
+    def histogram(self, total_steps: int) -> dict[int, int]:
+        """How many of the ``total_steps`` steps use each K (ascending K)."""
+        counts: dict[int, int] = {}
+        for s in range(total_steps):
+            k = self.passes_at(s, total_steps)
+            counts[k] = counts.get(k, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def describe(self) -> str:
+        """K once feedback is on, in words (the run log's first line)."""
+        if self.pass_mix:
+            return "K drawn per step from " + ", ".join(f"K={k} {p:.0%}" for k, p in self.pass_mix)
+        return f"K={self.num_passes}"
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def step_uniform(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) that depends on ``(seed, step)`` alone: the first 53 bits of a BLAKE2b digest of
+    both (a counter-based draw: any step's value without drawing the steps before it; the same on every platform,
+    process and Python version)."""
+    digest = hashlib.blake2b(f"fullband pass mix {int(seed)} {int(step)}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 11) * 2.0 ** -53
+
+
+def check_pass_mix(mix) -> None:
+    """``ValueError`` unless ``mix`` is ``((K, p), ...)`` with distinct integer K >= 1, p in (0, 1], the p summing to
+    1 within 1e-6 and a K >= 2 among them (the message names the bad entry)."""
+    seen = set()
+    for k, p in mix:
+        if k < 1 or k in seen:
+            raise ValueError(f"--pass-mix: bad entry {k}:{p}: each K must be an integer >= 1, given once")
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"--pass-mix: bad entry {k}:{p}: the probability must be in (0, 1] (leave out a K "
+                             "that is never used)")
+        seen.add(k)
+    total = math.fsum(p for _, p in mix)
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"--pass-mix: the probabilities sum to {total:.9g}, not 1 (within 1e-6)")
+    if max(seen) < 2:
+        raise ValueError("--pass-mix must give some probability to a K >= 2 (K=1 alone is a plain run: --num-passes 1)")
+
+
+def parse_pass_mix(text: str | None) -> tuple:
+    """``"1:0.75,2:0.22,3:0.03"`` -> ``((1, 0.75), (2, 0.22), (3, 0.03))`` (ascending K); ``None`` / ``""`` -> ``()``.
+    A :class:`~fullband.utils.errors.UsageError` naming the bad entry for anything that is not ``K:P`` pairs."""
+    if text is None or not str(text).strip():
+        return ()
+    mix = []
+    for entry in str(text).split(","):
+        k, sep, p = entry.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pair = (int(k), float(p))
+            if not math.isfinite(pair[1]):
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--pass-mix: bad entry {entry.strip()!r}: give K:PROBABILITY pairs separated by commas, "
+                             "e.g. 1:0.75,2:0.22,3:0.03") from None
+        mix.append(pair)
+    try:
+        check_pass_mix(mix)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return tuple(sorted(mix))
 
 
 @dataclass(frozen=True)

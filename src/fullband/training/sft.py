@@ -70,7 +70,7 @@ class SFTConfig(TrainConfig):
     ``--init-from``)."""
 
     config_section: ClassVar[str] = "sft"
-    skip_options: ClassVar[tuple] = ("preset", "vocab_size", "debug_nan_steps", "debug_kill_at_step")
+    skip_options: ClassVar[tuple] = ("preset", "vocab_size", "data_offset", "unique_batches", "debug_nan_steps", "debug_kill_at_step")
 
     steps: int = config_field(100, "optimizer steps (the LR and feedback schedules are fractions of this)", group="run")
     data: str = config_field("arithmetic", "chat jsonl ({'messages': [{'role', 'content'}, ...]} a line), a folder of them, "
@@ -372,12 +372,14 @@ class SFTRecipe(Recipe):
             rec["val_num_passes"] = cfg.num_passes
         return rec
 
-    def finish(self, model, summary):
-        """Save the model and tokenizer into OUT; evaluate held-out loss per mode and greedy replies."""
-        cfg = self.cfg
-        if not cfg.feedback_ever and self.init_kind == "hf":  # a retrofit whose fusion was never trained
+    def final_model(self, model):
+        if not self.cfg.feedback_ever and self.init_kind == "hf":  # a retrofit whose fusion was never trained
             model.config.default_feedback_mode = "standard"
-        atomic_save_pretrained(model, cfg.out, mode="merge")
+        return model
+
+    def finish(self, model, summary):
+        """Save the tokenizer into OUT (the model is saved); evaluate held-out loss per mode and greedy replies."""
+        cfg = self.cfg
         atomic_save_pretrained(self.tokenizer, cfg.out, mode="merge")
         evals = []
         if cfg.final_eval and len(self.val_enc):
