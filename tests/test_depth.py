@@ -230,7 +230,7 @@ def test_depth_exact_mode_matches_a_reference_recurrence(tmp_path):
     the wrong step, to the wrong rows or not at all."""
     import reference as ref
 
-    from fullband.commands.depth import answers_correct, intervention_hook
+    from fullband.experiments.depth import answers_correct, intervention_hook
     from fullband.eval.scoring import load_any_model
 
     out = tmp_path / "d"

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from fullband import cli
-from fullband.commands.data_efficiency import parse_multipliers
-from fullband.commands.experiment_common import crossing, curve_bootstrap, loss_at
+from fullband.experiments.data_efficiency import parse_multipliers
+from fullband.experiments.common import crossing, curve_bootstrap, loss_at
 from fullband.eval.flops import flop_parameters, training_flops
 from fullband.utils.io import read_jsonl
 

@@ -11,8 +11,21 @@ import pytest
 import fullband
 
 ROOT = pathlib.Path(fullband.__file__).parent
-# bottom to top; a module may import its own layer and the ones before it
-LAYERS = ["utils", "model", "data", "eval", "training", "analysis", "serving", "commands", "cli"]
+# bottom to top; a module may import its own layer and the ones before it. The table (what each layer owns):
+#   utils        errors, atomic I/O, statistics, plotting helpers
+#   model        the full-bandwidth model: configuration, K-pass forward, generation
+#   data         tokenizers, corpora, row order
+#   eval         scoring per decode mode, FLOPs, the synthetic tasks, the lm-eval adapter
+#   training     config, engine, checkpoints, distributed, the pretraining / SFT recipes
+#   analysis     analyses of trained models and runs (probes, reports)
+#   serving      the serving integrations (vLLM plugin, lm-eval adapter) and their commands
+#   experiments  what `fullband quickstart` and each `fullband experiment X` trains, measures and reports
+#   commands     the command line: options, defaults, help texts, a call into the layer below
+#   cli          the `fullband` entry point
+LAYERS = ["utils", "model", "data", "eval", "training", "analysis", "serving", "experiments", "commands", "cli"]
+# imports a layer may not make although the order allows them: experiments stand on training and analysis, not on
+# the serving integrations
+NOT_FROM = {"experiments": {"serving"}}
 # the top-level package registers the model with transformers; the lm-eval adapter and the vLLM plugin are entry
 # points loaded by other programs and import it for that registration
 ROOT_IMPORT_OK = {"eval/lm_eval_adapter.py", "serving"}
@@ -85,6 +98,8 @@ def layer_violations(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]
             found.append(f"{where}: imports unknown module {target!r}")
         elif LAYERS.index(target) > LAYERS.index(mine):
             found.append(f"{where}: layer {mine!r} imports the higher layer {target!r}")
+        elif target in NOT_FROM.get(mine, ()):
+            found.append(f"{where}: layer {mine!r} may not import {target!r}")
     return found
 
 
@@ -131,3 +146,13 @@ def test_the_layer_check_can_fail(tmp_path):
     root_import.parent.mkdir()
     root_import.write_text('"""x."""\nimport fullband\n')
     assert layer_violations(root_import, tmp_path) == ["data/x.py:2: imports the root package"]
+    (tmp_path / "experiments").mkdir()
+    experiment = tmp_path / "experiments" / "e.py"  # between training/analysis and commands, never on serving
+    experiment.write_text('"""e."""\nfrom ..training import engine\nfrom ..analysis import x\nfrom . import common\n'
+                          'from ..commands import quickstart\nfrom ..serving import plugin\n')
+    assert layer_violations(experiment, tmp_path) == [
+        "experiments/e.py:5: layer 'experiments' imports the higher layer 'commands'",
+        "experiments/e.py:6: layer 'experiments' may not import 'serving'",
+    ]
+    good.write_text('"""good."""\nfrom ..experiments import recipe\n')
+    assert layer_violations(good, tmp_path) == []

@@ -227,7 +227,7 @@ def test_reasoning_experiment_compares_per_problem_over_seeds():
     differences (2, 2, 1), sign-flip p = 2/8 = 0.25 (pooling both seeds' 5 vs 0 pairs would say 0.0625), McNemar
     per seed 0.25 and 0.5. Bugs caught: the seeds' records concatenated into one McNemar test, per-seed counts
     mixed up, records of different problems paired."""
-    from fullband.commands.reasoning_experiment import compare
+    from fullband.experiments.reasoning import compare
 
     def run(correct, trace):
         return {"records": [{"id": f"p{i}", "correct": bool(c), "trace_tokens": t}

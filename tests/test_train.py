@@ -118,7 +118,7 @@ def test_baseline_matches_fbt_until_feedback_and_branching_is_exact(data, tmp_pa
     a, b = losses(tmp_path / "fbt"), losses(tmp_path / "base")
     assert a[:3] == b[:3] and a[3:] != b[3:]
     # branch: baseline to the feedback start, then the FBT settings from its checkpoint
-    from fullband.commands.quickstart import copy_branch as _copy_branch
+    from fullband.experiments.common import copy_branch as _copy_branch
 
     first = train(cfg(data, tmp_path / "b2", **dict(fb, num_passes=1, deep_passes=1), stop_after=3))
     assert first["status"] == "paused"

@@ -1,31 +1,251 @@
 """``fullband experiment``: the paper's questions, asked at a size a CPU can answer. This module registers them:
 
-* ``data-efficiency`` (:mod:`.data_efficiency`): baselines at several token budgets vs FBT at 1x -- the effective
-  token multiplier and the matched-compute comparison;
-* ``reasoning`` (:mod:`.reasoning_experiment`): baseline, FBT and an equal-FLOPs baseline on synthetic problems
-  written with traces of mixed verbosity -- accuracy and trace length per decode mode and verbosity, >= 2 seeds,
-  paired statistics;
-* ``recipe`` (:mod:`.recipe`): the feedback recipe grid -- every mode, equal tokens and equal FLOPs, >= 2 seeds;
-* ``depth`` (:mod:`.depth`): k-hop pointer chasing and iterated composition -- does FBT(L) reach baseline(2L)?
-* ``state`` (:mod:`.state_experiment`): running-state tasks with a label at every position (S3 / S5 word problem,
-  parity, variable tracking) -- FBT trained with long recurrences vs baselines of 1, 2 and 4x depth, at T, 2T, 4T;
+* ``data-efficiency`` (:mod:`fullband.experiments.data_efficiency`): baselines at several token budgets vs FBT at
+  1x -- the effective token multiplier and the matched-compute comparison;
+* ``reasoning`` (:mod:`fullband.experiments.reasoning`): baseline, FBT and an equal-FLOPs baseline on synthetic
+  problems written with traces of mixed verbosity -- accuracy and trace length per decode mode and verbosity,
+  >= 2 seeds, paired statistics;
+* ``recipe`` (:mod:`fullband.experiments.recipe`): the feedback recipe grid -- every mode, equal tokens and equal
+  FLOPs, >= 2 seeds;
+* ``depth`` (:mod:`fullband.experiments.depth`): k-hop pointer chasing and iterated composition -- does FBT(L) reach
+  baseline(2L)?
+* ``state`` (:mod:`fullband.experiments.state`): running-state tasks with a label at every position (S3 / S5 word
+  problem, parity, variable tracking) -- FBT trained with long recurrences vs baselines of 1, 2 and 4x depth, at T,
+  2T, 4T;
 
 Each writes ``results.json`` and ``report.md`` into ``--out`` and prints its tables; trained models stay in
 ``OUT/runs/`` (``OUT/seed*/`` for the recipe grid).
-"""
 
+This module owns their command line only (options, defaults, help texts); what each experiment trains, measures
+and reports is its module's in :mod:`fullband.experiments`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from .data_efficiency import DE_DEFAULTS, run_data_efficiency
-from .data_efficiency import __doc__ as data_efficiency_doc
-from .depth import add_parser as add_depth_parser
-from .experiment_common import add_common_arguments, add_recipe_arguments
-from .reasoning_experiment import add_parser as add_reasoning_parser
-from .state_experiment import add_parser as add_state_parser
-from .recipe import add_parser as add_recipe_parser
+from ..experiments import data_efficiency, depth, reasoning, recipe, state
+from ..experiments.common import RECIPE
+from ..training.config import TrainConfig
+
+
+def add_overwrite_argument(p) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="retrain a finished run whose options differ from this invocation's (by default such a "
+                        "run is kept and the experiment stops with an error naming the differences)")
+
+
+def add_recipe_arguments(p) -> None:
+    defaults = TrainConfig()
+    g = p.add_argument_group("FBT recipe (defaults: fullband train's)")
+    for flag, field, typ in RECIPE:
+        meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[field]
+        shown = getattr(defaults, field)
+        g.add_argument(flag, dest=field, type=typ, default=None,
+                       help=f"{meta['help']} (default: {shown if shown is not None else 'the preset’s'})")
+    g.add_argument("--detach-state", action="store_true", help="stop gradients through the fed-back state")
+    g.add_argument("--set", dest="settings", action="append", metavar="NAME=VALUE", default=None,
+                   help="any other `fullband train` option for every run (repeatable), e.g. --set grad_clip=0.5")
+
+
+def add_common_arguments(p, defaults: dict) -> None:
+    p.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
+    add_overwrite_argument(p)
+    p.add_argument("--preset", default=defaults["preset"],
+                   help="model size preset (micro, tiny, small, gpt2-small) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help="optimizer steps per model (data-efficiency: of the FBT run, the 1.0x budget) "
+                        "(default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="training tokens per model (data-efficiency: of the FBT run) instead of --steps (rounded "
+                        "up to whole steps)")
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help="rows per step (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="tokens per row (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=defaults["vocab_size"],
+                   help="BPE vocabulary size (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of init, split, data order (shared by every run) (default: %(default)s)")
+    p.add_argument("--no-share-prefix", action="store_true",
+                   help="train the FBT run from scratch instead of branching it off the 1.0x baseline at the "
+                        "feedback start (the two are bit-identical until then)")
+    if "flops_baseline" in defaults:  # an experiment that trains the baseline-flops control
+        p.add_argument("--no-flops-baseline", action="store_true",
+                       help="skip baseline-flops (the plain model for the FBT run's training FLOPs, reading further)")
+    if "epochs_baseline" in defaults:  # an experiment that trains the baseline-epochs control
+        p.add_argument("--no-epochs-baseline", action="store_true",
+                       help="skip baseline-epochs (the plain model for the FBT run's training FLOPs on exactly its "
+                            "unique rows, re-read epoch after epoch)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="print only the tables")
+
+
+def add_model_arguments(r, defaults: dict) -> None:
+    """The options of the synthetic-task experiments' models and runs (``depth``, ``state``): ``--out``,
+    ``--overwrite``, ``--layers``, ``--hidden``, ``--heads``, ``--steps``, ``--batch-size``, ``--lr``; defaults from
+    ``defaults``."""
+    r.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
+    add_overwrite_argument(r)
+    r.add_argument("--layers", type=int, default=defaults["layers"], help="L (default: %(default)s)")
+    r.add_argument("--hidden", type=int, default=defaults["hidden"], help="model width (default: %(default)s)")
+    r.add_argument("--heads", type=int, default=defaults["heads"], help="attention heads (default: %(default)s)")
+    r.add_argument("--steps", type=int, default=defaults["steps"], help="steps per arm (default: %(default)s)")
+    r.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help="rows per step (default: %(default)s)")
+    r.add_argument("--lr", type=float, default=defaults["lr"], help="peak LR (default: %(default)s)")
+
+
+def add_run_arguments(r, defaults: dict, kept: str) -> None:
+    """The last options of the synthetic-task experiments (``depth``, ``state``): ``--seed``, ``--device``,
+    ``--quick``, ``--json`` (``kept``: what results.json keeps, e.g. per-row lists)."""
+    r.add_argument("--seed", type=int, default=defaults["seed"], help="seed (default: %(default)s)")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
+    r.add_argument("--json", action="store_true", help=f"print the results as JSON ({kept} lists in results.json)")
+
+
+def add_recipe_parser(ex) -> None:
+    """Register ``fullband experiment recipe`` on the ``experiment`` sub-parsers."""
+    r = ex.add_parser("recipe", help="the feedback recipe grid: switch-on, fusion entry, LR schedule, K; every mode, "
+                                     "equal tokens and equal FLOPs, >= 2 seeds",
+                      description=recipe.__doc__.split("\n\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--out", default=recipe.DEFAULTS["out"],
+                   help=f"output directory (default: {recipe.DEFAULTS['out']})")
+    add_overwrite_argument(r)
+    r.add_argument("--preset", default=recipe.DEFAULTS["preset"], help="backbone size preset (default: tiny; small / "
+                                                                "gpt2-small with --device cuda)")
+    r.add_argument("--trunk-steps", type=int, default=recipe.DEFAULTS["trunk_steps"], help="plain trunk steps per seed")
+    r.add_argument("--branch-steps", type=int, default=recipe.DEFAULTS["branch_steps"], help="steps of every arm")
+    r.add_argument("--batch-size", type=int, default=recipe.DEFAULTS["batch_size"], help="rows per step")
+    r.add_argument("--seq-len", type=int, default=recipe.DEFAULTS["seq_len"], help="tokens per row")
+    r.add_argument("--vocab-size", type=int, default=recipe.DEFAULTS["vocab_size"], help="BPE entries")
+    r.add_argument("--lr", type=float, default=None, help="peak LR (default: the preset's)")
+    r.add_argument("--seeds", default=recipe.DEFAULTS["seeds"], help="comma-separated seeds (default: 0,1)")
+    r.add_argument("--arms", default=None,
+                   help="comma-separated arms (default: the branched grid but concat-warm; each arm's baselines are "
+                        "added); one of " + ", ".join(recipe.ARM_BY_NAME))
+    r.add_argument("--flops-multiplier", type=float, default=recipe.DEFAULTS["flops_multiplier"],
+                   help="steps of the FLOP-matched baseline as a multiple of --branch-steps (its FLOPs bound the "
+                        "equal-FLOPs comparison; an arm costlier than that is reported out of range)")
+    r.add_argument("--scratch-flops-multiplier", type=float, default=recipe.DEFAULTS["scratch_flops_multiplier"],
+                   help="steps of the FLOP-matched baselines of the arms from scratch (baseline-scratch-flops, "
+                        "baseline-tied-flops) as a multiple of --trunk-steps + --branch-steps (default 3.1: above "
+                        "K=3 on every step, 3 passes + 2 fusions)")
+    r.add_argument("--eval-rows", type=int, default=recipe.DEFAULTS["eval_rows"], help="held-out rows scored")
+    r.add_argument("--prompt-tokens", type=int, default=recipe.DEFAULTS["prompt_tokens"],
+                   help="prompt length before the scored continuation of each row")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    r.add_argument("--quick", action="store_true", help="a smoke-test size (micro preset, a few steps)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.set_defaults(func=lambda args: (recipe.run_recipe(args), 0)[1])
+
+
+def add_depth_parser(ex) -> None:
+    """Register ``fullband experiment depth`` on the ``experiment`` sub-parsers."""
+    r = ex.add_parser("depth", help="k-hop pointer chasing / iterated composition: does FBT(L) reach baseline(2L)? "
+                                    "accuracy per k and decode mode",
+                      description=depth.__doc__.split("\n\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(r, depth.DEFAULTS)
+    r.add_argument("--tasks", default=depth.DEFAULTS["tasks"], help="comma-separated: pointer, compose, modsum "
+                                                              "(default: %(default)s)")
+    r.add_argument("--max-k", type=int, default=depth.DEFAULTS["max_k"], help="largest k (default: %(default)s)")
+    r.add_argument("--max-think", type=int, default=depth.DEFAULTS["max_think"],
+                   help="most think positions in training; tested at 0 and at this (default: %(default)s)")
+    r.add_argument("--test-per-cell", type=int, default=depth.DEFAULTS["test_per_cell"],
+                   help="test problems per (task, k, think) (default: %(default)s)")
+    r.add_argument("--pointer-cycle", action="store_true",
+                   help="pointer chasing over a single n-cycle (the start symbol is never the answer for k < n)")
+    r.add_argument("--arms", default=None,
+                   help="comma-separated arms (default: all): " + ", ".join(depth.ARM_BY_NAME))
+    add_run_arguments(r, depth.DEFAULTS, "per-example")
+    r.set_defaults(func=lambda args: (depth.run_depth(args), 0)[1])
+
+
+def add_state_parser(ex) -> None:
+    """Register ``fullband experiment state`` on the ``experiment`` sub-parsers."""
+    r = ex.add_parser("state", help="running-state tasks (S3/S5 word problem, parity, variable tracking) with dense "
+                                    "labels: FBT trained with long recurrences vs baselines of 1, 2, 4x depth",
+                      description=state.__doc__.split("\n\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(r, state.DEFAULTS)
+    r.add_argument("--tasks", default=state.DEFAULTS["tasks"],
+                   help="comma-separated: s3, s5, parity, vars (default: %(default)s)")
+    r.add_argument("--length", type=int, default=state.DEFAULTS["length"],
+                   help="T, inputs per training row; tested at T, 2T, 4T (default: %(default)s)")
+    r.add_argument("--test-rows", type=int, default=state.DEFAULTS["test_rows"],
+                   help="test rows per task and length (default: %(default)s)")
+    r.add_argument("--pass-tol", type=float, default=state.DEFAULTS["pass_tol"],
+                   help="the early-stop tolerance of the fbt-L-glu-tol arm and the cost table (default: %(default)s)")
+    r.add_argument("--arms", default=None,
+                   help=f"comma-separated arms (default: {','.join(state.DEFAULT_ARMS)}); also "
+                        + ", ".join(state.ARM_NAMES[6:]))
+    r.add_argument("--no-cost", action="store_true", help="skip the cost table (step time and memory per K)")
+    add_run_arguments(r, state.DEFAULTS, "per-row")
+    r.set_defaults(func=lambda args: (state.run_state(args), 0)[1])
+
+
+def add_reasoning_parser(ex) -> None:
+    r = ex.add_parser("reasoning", help="baseline vs FBT on synthetic problems with traces of mixed verbosity: "
+                                        "accuracy and trace length per mode, equal tokens and equal FLOPs",
+                      description=reasoning.__doc__.split("\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(r, reasoning.RS_DEFAULTS)
+    r.add_argument("--task", default=reasoning.RS_DEFAULTS["task"], choices=["arithmetic", "state", "permutation"],
+                   help="synthetic task (default: arithmetic)")
+    r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
+                   help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
+                        f"{reasoning.TASK_DEFAULTS['arithmetic']}")
+    r.add_argument("--train-problems", type=int, default=reasoning.RS_DEFAULTS["train_problems"],
+                   help="training problems (default: %(default)s)")
+    r.add_argument("--test-problems", type=int, default=reasoning.RS_DEFAULTS["test_problems"],
+                   help="held-out problems decoded (default: %(default)s)")
+    r.add_argument("--num-seeds", type=int, default=reasoning.RS_DEFAULTS["num_seeds"],
+                   help="training seeds --seed, --seed+1, ... (default: %(default)s)")
+    r.add_argument("--verbosity-mix", default=reasoning.RS_DEFAULTS["verbosity_mix"],
+                   help="weights of the training verbosities (default: %(default)s)")
+    r.add_argument("--styles", default=reasoning.RS_DEFAULTS["styles"],
+                   help="how to decode: free (the model chooses) and/or forced full, partial, direct "
+                        "(default: %(default)s)")
+    r.add_argument("--no-cot", action="store_true", help="train on direct answers only (then --styles free)")
+    r.add_argument("--fbt-modes", default=reasoning.RS_DEFAULTS["fbt_modes"],
+                   help="FBT decode modes (default: %(default)s)")
+    r.add_argument("--no-flops-baseline", action="store_true", help="skip the equal-FLOPs baseline")
+    r.add_argument("--max-new-tokens", type=int, default=reasoning.RS_DEFAULTS["max_new_tokens"],
+                   help="longest completion (default: %(default)s)")
+    r.add_argument("--gen-batch-size", type=int, default=reasoning.RS_DEFAULTS["gen_batch_size"],
+                   help="problems decoded together (default: %(default)s)")
+    r.add_argument("--bootstrap", type=int, default=reasoning.RS_DEFAULTS["bootstrap"],
+                   help="bootstrap resamples (default: %(default)s)")
+    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON (per-problem records in "
+                                                       "results.json)")
+    add_recipe_arguments(r)
+    r.set_defaults(func=lambda args: (reasoning.run_reasoning_experiment(args), 0)[1])
+
+
+def add_data_efficiency_parser(ex) -> None:
+    """Register ``fullband experiment data-efficiency`` on the ``experiment`` sub-parsers."""
+    defaults = data_efficiency.DE_DEFAULTS
+    d = ex.add_parser("data-efficiency", help="baselines at several token budgets vs FBT at 1x: effective token "
+                                              "multiplier and matched-compute comparison",
+                      description=data_efficiency.__doc__.split("\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(d, defaults)
+    d.add_argument("--data", default=defaults["data"],
+                   help="training text, as `fullband train --data` (default: the embedded corpus)")
+    d.add_argument("--multipliers", default=defaults["multipliers"],
+                   help="baseline token budgets as multiples of the FBT run's (must include 1) (default: "
+                        f"{defaults['multipliers']})")
+    d.add_argument("--eval-rows", type=int, default=defaults["eval_rows"],
+                   help=f"held-out rows evaluated, the same for every run (default: {defaults['eval_rows']})")
+    add_recipe_arguments(d)
+    d.set_defaults(func=lambda args: (data_efficiency.run_data_efficiency(args), 0)[1])
+
 
 # ============================================================================================== CLI
 
@@ -36,21 +256,7 @@ def add_parser(sub) -> None:
     ex = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
 
-    d = ex.add_parser("data-efficiency", help="baselines at several token budgets vs FBT at 1x: effective token "
-                                              "multiplier and matched-compute comparison",
-                      description=data_efficiency_doc.split("\n", 1)[1],
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(d, DE_DEFAULTS)
-    d.add_argument("--data", default=DE_DEFAULTS["data"],
-                   help="training text, as `fullband train --data` (default: the embedded corpus)")
-    d.add_argument("--multipliers", default=DE_DEFAULTS["multipliers"],
-                   help="baseline token budgets as multiples of the FBT run's (must include 1) (default: "
-                        f"{DE_DEFAULTS['multipliers']})")
-    d.add_argument("--eval-rows", type=int, default=DE_DEFAULTS["eval_rows"],
-                   help=f"held-out rows evaluated, the same for every run (default: {DE_DEFAULTS['eval_rows']})")
-    add_recipe_arguments(d)
-    d.set_defaults(func=lambda args: (run_data_efficiency(args), 0)[1])
-
+    add_data_efficiency_parser(ex)
     add_reasoning_parser(ex)
     add_recipe_parser(ex)
     add_depth_parser(ex)

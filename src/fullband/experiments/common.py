@@ -1,5 +1,6 @@
-"""What the experiments share: the recipe options, the paired baseline/FBT training, the ``--overwrite``
-option (which finished runs are reused and which are refused is
+"""What the experiments share: the recipe options (:data:`RECIPE`, and reading them back from the parsed arguments;
+:mod:`fullband.commands.experiments` registers the flags), the paired baseline/FBT training, reusing finished runs
+(which one is reused and which refused without ``--overwrite`` is
 :func:`fullband.training.pretrain.run_differences`'s), the controls of an FBT run (``baseline-flops``: the plain
 model for the FBT run's training FLOPs, reading further; ``baseline-epochs``: the plain model for those FLOPs on
 exactly the FBT run's unique rows, re-read epoch after epoch), and reading a baseline curve (where it reaches a
@@ -70,52 +71,6 @@ def recipe_from_args(args) -> dict:
     if args.detach_state:
         recipe["detach_state"] = True
     return recipe
-
-
-def add_recipe_arguments(p) -> None:
-    defaults = TrainConfig()
-    g = p.add_argument_group("FBT recipe (defaults: fullband train's)")
-    for flag, field, typ in RECIPE:
-        meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[field]
-        shown = getattr(defaults, field)
-        g.add_argument(flag, dest=field, type=typ, default=None,
-                       help=f"{meta['help']} (default: {shown if shown is not None else 'the preset’s'})")
-    g.add_argument("--detach-state", action="store_true", help="stop gradients through the fed-back state")
-    g.add_argument("--set", dest="settings", action="append", metavar="NAME=VALUE", default=None,
-                   help="any other `fullband train` option for every run (repeatable), e.g. --set grad_clip=0.5")
-
-
-def add_common_arguments(p, defaults: dict) -> None:
-    p.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
-    add_overwrite_argument(p)
-    p.add_argument("--preset", default=defaults["preset"],
-                   help="model size preset (micro, tiny, small, gpt2-small) (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=defaults["steps"],
-                   help="optimizer steps per model (data-efficiency: of the FBT run, the 1.0x budget) "
-                        "(default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="training tokens per model (data-efficiency: of the FBT run) instead of --steps (rounded "
-                        "up to whole steps)")
-    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
-                   help="rows per step (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="tokens per row (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=defaults["vocab_size"],
-                   help="BPE vocabulary size (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of init, split, data order (shared by every run) (default: %(default)s)")
-    p.add_argument("--no-share-prefix", action="store_true",
-                   help="train the FBT run from scratch instead of branching it off the 1.0x baseline at the "
-                        "feedback start (the two are bit-identical until then)")
-    if "flops_baseline" in defaults:  # an experiment that trains the baseline-flops control
-        p.add_argument("--no-flops-baseline", action="store_true",
-                       help="skip baseline-flops (the plain model for the FBT run's training FLOPs, reading further)")
-    if "epochs_baseline" in defaults:  # an experiment that trains the baseline-epochs control
-        p.add_argument("--no-epochs-baseline", action="store_true",
-                       help="skip baseline-epochs (the plain model for the FBT run's training FLOPs on exactly its "
-                            "unique rows, re-read epoch after epoch)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--quiet", action="store_true", help="print only the tables")
 
 
 def steps_for(args) -> int:
@@ -249,12 +204,6 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None,
     for s in summaries:
         check_done(s)
     return base, fbt, start if share else 0
-
-
-def add_overwrite_argument(p) -> None:
-    p.add_argument("--overwrite", action="store_true",
-                   help="retrain a finished run whose options differ from this invocation's (by default such a "
-                        "run is kept and the experiment stops with an error naming the differences)")
 
 
 def run_name(cfg) -> str:

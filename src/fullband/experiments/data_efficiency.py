@@ -46,7 +46,7 @@ from ..model.modeling import load_model
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
 from ..utils.stats import bootstrap_ci
-from .experiment_common import (
+from .common import (
     base_config,
     crossing,
     curve_bootstrap,

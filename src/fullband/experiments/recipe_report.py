@@ -1,4 +1,4 @@
-"""The analysis and report of ``fullband experiment recipe`` (:mod:`fullband.commands.recipe` trains and scores the
+"""The analysis and report of ``fullband experiment recipe`` (:mod:`fullband.experiments.recipe` trains and scores the
 runs): the paired differences of every (arm, mode) to the arm's baseline at equal tokens and, interpolated between
 that baseline and its FLOP-matched one, at equal FLOPs (:func:`analyse`); the tables, the best feedback arm, the plot
 and ``report.md``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
-from .experiment_common import save_png
+from .common import save_png
 
 
 def _interp_rows(lo: list[float], hi: list[float], f_lo: float, f_hi: float, f: float) -> list[float] | None:

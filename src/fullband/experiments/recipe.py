@@ -1,7 +1,7 @@
 """``fullband experiment recipe``: which feedback recipe keeps feedback from hurting its own model, measured.
 
 Owns the recipe grid (:data:`ARMS`), its runs and their evaluation (the analysis and the report are
-:mod:`fullband.commands.recipe_report`'s). One plain **trunk** per seed is trained first (constant LR after warmup,
+:mod:`fullband.experiments.recipe_report`'s). One plain **trunk** per seed is trained first (constant LR after warmup,
 saved as the plain HF checkpoint it is); every arm then continues that trunk for the same number of steps on the
 same next batches (``--init-from`` the trunk, ``--data-offset`` where it stopped), so the arms differ only in what
 the arm says:
@@ -40,7 +40,6 @@ experiment stops with an error naming the differences, unless ``--overwrite``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -62,8 +61,7 @@ from ..training.distributed import resolve_device
 from ..training.presets import get_preset
 from ..training.pretrain import build_tokenizer_and_corpus, rows_fingerprint, spread_rows, train
 from ..utils.io import atomic_write_json, read_jsonl
-from .experiment_common import (
-    add_overwrite_argument,
+from .common import (
     apply_quick,
     finished,
     pick_arms,
@@ -338,38 +336,3 @@ def run_recipe(args) -> dict:
     res["plot"] = plot(res, os.path.join(args.out, "recipe.png"))
     write_outputs(args.out, res, report(res, text), text, args.json, omit=("per_seed",), lead=f"{len(seeds)} seed(s), ")
     return res
-
-
-def add_parser(ex) -> None:
-    """Register ``fullband experiment recipe`` on the ``experiment`` sub-parsers."""
-    r = ex.add_parser("recipe", help="the feedback recipe grid: switch-on, fusion entry, LR schedule, K; every mode, "
-                                     "equal tokens and equal FLOPs, >= 2 seeds",
-                      description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--out", default=DEFAULTS["out"], help=f"output directory (default: {DEFAULTS['out']})")
-    add_overwrite_argument(r)
-    r.add_argument("--preset", default=DEFAULTS["preset"], help="backbone size preset (default: tiny; small / "
-                                                                "gpt2-small with --device cuda)")
-    r.add_argument("--trunk-steps", type=int, default=DEFAULTS["trunk_steps"], help="plain trunk steps per seed")
-    r.add_argument("--branch-steps", type=int, default=DEFAULTS["branch_steps"], help="steps of every arm")
-    r.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="rows per step")
-    r.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per row")
-    r.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"], help="BPE entries")
-    r.add_argument("--lr", type=float, default=None, help="peak LR (default: the preset's)")
-    r.add_argument("--seeds", default=DEFAULTS["seeds"], help="comma-separated seeds (default: 0,1)")
-    r.add_argument("--arms", default=None, help="comma-separated arms (default: the branched grid but concat-warm; "
-                                                 "each arm's baselines are added); one of " + ", ".join(ARM_BY_NAME))
-    r.add_argument("--flops-multiplier", type=float, default=DEFAULTS["flops_multiplier"],
-                   help="steps of the FLOP-matched baseline as a multiple of --branch-steps (its FLOPs bound the "
-                        "equal-FLOPs comparison; an arm costlier than that is reported out of range)")
-    r.add_argument("--scratch-flops-multiplier", type=float, default=DEFAULTS["scratch_flops_multiplier"],
-                   help="steps of the FLOP-matched baselines of the arms from scratch (baseline-scratch-flops, "
-                        "baseline-tied-flops) as a multiple of --trunk-steps + --branch-steps (default 3.1: above "
-                        "K=3 on every step, 3 passes + 2 fusions)")
-    r.add_argument("--eval-rows", type=int, default=DEFAULTS["eval_rows"], help="held-out rows scored")
-    r.add_argument("--prompt-tokens", type=int, default=DEFAULTS["prompt_tokens"],
-                   help="prompt length before the scored continuation of each row")
-    r.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    r.add_argument("--quick", action="store_true", help="a smoke-test size (micro preset, a few steps)")
-    r.add_argument("--json", action="store_true", help="print the results as JSON")
-    r.add_argument("--no-progress", action="store_true", help="no progress bars")
-    r.set_defaults(func=lambda args: (run_recipe(args), 0)[1])

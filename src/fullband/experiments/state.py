@@ -5,7 +5,7 @@ Owns the state experiment: its arms, their training on the tasks of :mod:`fullba
 S5 word problems, parity, variable tracking; mixed in one training stream, the label at every position), the
 per-position evaluation at the training length T and at 2T and 4T (length generalisation) in every decode mode,
 the state interventions, the cost of long recurrences per K and per ``--grad-passes``, and the report. Training
-reuses the depth experiment's machinery (:func:`fullband.commands.depth.train_arm`: the same initial backbones,
+reuses the depth experiment's machinery (:func:`fullband.experiments.depth.train_arm`: the same initial backbones,
 ``fullband train``'s engine, finished runs reused only for the same options and data).
 
 Arms (every one the same steps on the same rows -- equal tokens -- except the equal-FLOPs control):
@@ -58,8 +58,8 @@ from ..training.distributed import resolve_device
 from ..training.pretrain import PretrainRecipe
 from ..utils.io import read_jsonl
 from ..utils.stats import bootstrap_ci
-from .depth import Arm, add_model_arguments, arm_config, init_backbone, train_arm
-from .experiment_common import (
+from .depth import Arm, arm_config, init_backbone, train_arm
+from .common import (
     apply_quick,
     pick_arms,
     refuse_changed_runs,
@@ -379,27 +379,3 @@ def report(res: dict, text: str) -> str:
     lines += ["", "Modes: `standard` no feedback; `K=2` two teacher-forced passes; `exact` the token-by-token "
               "recurrence.", "", text, "![state](state.png)", ""]
     return "\n".join(lines)
-
-
-def add_parser(ex) -> None:
-    """Register ``fullband experiment state`` on the ``experiment`` sub-parsers."""
-    r = ex.add_parser("state", help="running-state tasks (S3/S5 word problem, parity, variable tracking) with dense "
-                                    "labels: FBT trained with long recurrences vs baselines of 1, 2, 4x depth",
-                      description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(r, DEFAULTS)
-    r.add_argument("--tasks", default=DEFAULTS["tasks"],
-                   help="comma-separated: s3, s5, parity, vars (default: %(default)s)")
-    r.add_argument("--length", type=int, default=DEFAULTS["length"],
-                   help="T, inputs per training row; tested at T, 2T, 4T (default: %(default)s)")
-    r.add_argument("--test-rows", type=int, default=DEFAULTS["test_rows"],
-                   help="test rows per task and length (default: %(default)s)")
-    r.add_argument("--pass-tol", type=float, default=DEFAULTS["pass_tol"],
-                   help="the early-stop tolerance of the fbt-L-glu-tol arm and the cost table (default: %(default)s)")
-    r.add_argument("--arms", default=None, help=f"comma-separated arms (default: {','.join(DEFAULT_ARMS)}); also "
-                                                + ", ".join(ARM_NAMES[6:]))
-    r.add_argument("--no-cost", action="store_true", help="skip the cost table (step time and memory per K)")
-    r.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed (default: %(default)s)")
-    r.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
-    r.add_argument("--json", action="store_true", help="print the results as JSON (per-row lists in results.json)")
-    r.set_defaults(func=lambda args: (run_state(args), 0)[1])

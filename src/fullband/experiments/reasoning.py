@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -45,9 +44,7 @@ from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.stats import bootstrap_ci_shared_problems, paired_test_shared_problems
-from .experiment_common import (
-    add_common_arguments,
-    add_recipe_arguments,
+from .common import (
     apply_quick,
     base_config,
     finished,
@@ -456,40 +453,3 @@ def run_reasoning_experiment(args) -> dict:
     text = tables(res)
     write_outputs(args.out, res, markdown(res, tables(res, full=True)), text, args.json, omit=("runs",))
     return res
-
-
-def add_parser(ex) -> None:
-    r = ex.add_parser("reasoning", help="baseline vs FBT on synthetic problems with traces of mixed verbosity: "
-                                        "accuracy and trace length per mode, equal tokens and equal FLOPs",
-                      description=__doc__.split("\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(r, RS_DEFAULTS)
-    r.add_argument("--task", default=RS_DEFAULTS["task"], choices=["arithmetic", "state", "permutation"],
-                   help="synthetic task (default: arithmetic)")
-    r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
-                   help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
-                        f"{TASK_DEFAULTS['arithmetic']}")
-    r.add_argument("--train-problems", type=int, default=RS_DEFAULTS["train_problems"],
-                   help="training problems (default: %(default)s)")
-    r.add_argument("--test-problems", type=int, default=RS_DEFAULTS["test_problems"],
-                   help="held-out problems decoded (default: %(default)s)")
-    r.add_argument("--num-seeds", type=int, default=RS_DEFAULTS["num_seeds"],
-                   help="training seeds --seed, --seed+1, ... (default: %(default)s)")
-    r.add_argument("--verbosity-mix", default=RS_DEFAULTS["verbosity_mix"],
-                   help="weights of the training verbosities (default: %(default)s)")
-    r.add_argument("--styles", default=RS_DEFAULTS["styles"],
-                   help="how to decode: free (the model chooses) and/or forced full, partial, direct "
-                        "(default: %(default)s)")
-    r.add_argument("--no-cot", action="store_true", help="train on direct answers only (then --styles free)")
-    r.add_argument("--fbt-modes", default=RS_DEFAULTS["fbt_modes"], help="FBT decode modes (default: %(default)s)")
-    r.add_argument("--no-flops-baseline", action="store_true", help="skip the equal-FLOPs baseline")
-    r.add_argument("--max-new-tokens", type=int, default=RS_DEFAULTS["max_new_tokens"],
-                   help="longest completion (default: %(default)s)")
-    r.add_argument("--gen-batch-size", type=int, default=RS_DEFAULTS["gen_batch_size"],
-                   help="problems decoded together (default: %(default)s)")
-    r.add_argument("--bootstrap", type=int, default=RS_DEFAULTS["bootstrap"],
-                   help="bootstrap resamples (default: %(default)s)")
-    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
-    r.add_argument("--json", action="store_true", help="print the results as JSON (per-problem records in "
-                                                       "results.json)")
-    add_recipe_arguments(r)
-    r.set_defaults(func=lambda args: (run_reasoning_experiment(args), 0)[1])

@@ -28,7 +28,6 @@ that differs is kept and the experiment stops with an error naming the differenc
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -58,8 +57,7 @@ from ..training.distributed import resolve_device
 from ..training.engine import run as run_training
 from ..training.pretrain import PretrainRecipe
 from ..utils.stats import bootstrap_ci
-from .experiment_common import (
-    add_overwrite_argument,
+from .common import (
     apply_quick,
     finished,
     pick_arms,
@@ -438,41 +436,3 @@ def report(res: dict, text: str) -> str:
               "zeroed, taken from another problem, or zeroed only where it enters the `=` position.", "", text,
               "![depth](depth.png)", ""]
     return "\n".join(lines)
-
-
-def add_model_arguments(r, defaults: dict) -> None:
-    """The options of the synthetic-task experiments' models and runs (``depth``, ``state``): ``--out``,
-    ``--overwrite``, ``--layers``, ``--hidden``, ``--heads``, ``--steps``, ``--batch-size``, ``--lr``; defaults from
-    ``defaults``."""
-    r.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
-    add_overwrite_argument(r)
-    r.add_argument("--layers", type=int, default=defaults["layers"], help="L (default: %(default)s)")
-    r.add_argument("--hidden", type=int, default=defaults["hidden"], help="model width (default: %(default)s)")
-    r.add_argument("--heads", type=int, default=defaults["heads"], help="attention heads (default: %(default)s)")
-    r.add_argument("--steps", type=int, default=defaults["steps"], help="steps per arm (default: %(default)s)")
-    r.add_argument("--batch-size", type=int, default=defaults["batch_size"],
-                   help="rows per step (default: %(default)s)")
-    r.add_argument("--lr", type=float, default=defaults["lr"], help="peak LR (default: %(default)s)")
-
-
-def add_parser(ex) -> None:
-    """Register ``fullband experiment depth`` on the ``experiment`` sub-parsers."""
-    r = ex.add_parser("depth", help="k-hop pointer chasing / iterated composition: does FBT(L) reach baseline(2L)? "
-                                    "accuracy per k and decode mode",
-                      description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(r, DEFAULTS)
-    r.add_argument("--tasks", default=DEFAULTS["tasks"], help="comma-separated: pointer, compose, modsum "
-                                                              "(default: %(default)s)")
-    r.add_argument("--max-k", type=int, default=DEFAULTS["max_k"], help="largest k (default: %(default)s)")
-    r.add_argument("--max-think", type=int, default=DEFAULTS["max_think"],
-                   help="most think positions in training; tested at 0 and at this (default: %(default)s)")
-    r.add_argument("--test-per-cell", type=int, default=DEFAULTS["test_per_cell"],
-                   help="test problems per (task, k, think) (default: %(default)s)")
-    r.add_argument("--pointer-cycle", action="store_true",
-                   help="pointer chasing over a single n-cycle (the start symbol is never the answer for k < n)")
-    r.add_argument("--arms", default=None, help="comma-separated arms (default: all): " + ", ".join(ARM_BY_NAME))
-    r.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed (default: %(default)s)")
-    r.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
-    r.add_argument("--json", action="store_true", help="print the results as JSON (per-example lists in results.json)")
-    r.set_defaults(func=lambda args: (run_depth(args), 0)[1])
