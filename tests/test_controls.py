@@ -210,3 +210,19 @@ def test_inference_flops_match_what_scoring_runs(mode):
         assert counts["aten.bmm"] == 2 * (attention["flops"] + square * per_pair)
     assert np.isclose(inference_flops(mode, fp, T, P, num_passes=K)["relative"] * inference_flops(
         "standard", fp, T, P)["flops"], inference_flops(mode, fp, T, P, num_passes=K)["flops"])
+
+
+def test_flops_matched_steps_charges_passes_without_gradient_at_their_forward():
+    """``--grad-passes N``: the first K - N passes run without gradient and cost a third of a gradient pass, as
+    ``training_flops`` charges them; counting them in full over-trained the FLOP controls (930 steps instead of 580
+    for K = 8, N = 2 at the quickstart's size). Hand arithmetic: 5 plain steps + 5 steps of 2 + 6/3 = 25."""
+    from fullband.experiments.common import flops_matched_steps
+    from fullband.training.config import TrainConfig
+
+    cfg = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, grad_passes=2, deep_fraction=0.0)
+    assert [cfg.schedule().passes_at(i, 10) for i in range(10)] == [1] * 5 + [8] * 5
+    assert flops_matched_steps(cfg) == 25
+    full = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, deep_fraction=0.0)  # every pass with gradient
+    assert flops_matched_steps(full) == 5 + 5 * 8
+    k2 = TrainConfig(steps=10, feedback_start=0.5, num_passes=2, grad_passes=2, deep_fraction=0.0)
+    assert flops_matched_steps(k2) == 15

@@ -100,9 +100,20 @@ def plain_config(cfg):
     return dataclasses.replace(cfg, num_passes=1, deep_passes=1)
 
 
+def plain_step_equivalents(num_passes: int, grad_passes: int = 0) -> float:
+    """A step of K passes in plain-step FLOPs, as :func:`fullband.eval.flops.training_flops` counts them: a pass
+    with gradient 1, a pass without (the first K - N of ``--grad-passes N``) its forward, 1/3; the fusion's own
+    FLOPs (under 1% of a pass) left out."""
+    grad = num_passes if grad_passes <= 0 or num_passes == 1 else min(grad_passes, num_passes)
+    return grad + (num_passes - grad) / 3.0
+
+
 def flops_matched_steps(fbt_cfg) -> int:
-    """Steps of a plain run with as many training FLOPs as ``fbt_cfg``'s run (every pass counted, rounded up)."""
-    return math.ceil(sum(fbt_cfg.schedule().passes_at(i, fbt_cfg.steps) for i in range(fbt_cfg.steps)))
+    """Steps of a plain run with as many training FLOPs as ``fbt_cfg``'s run (every pass counted, a pass without
+    gradient at a third; rounded up). ``--pass-tol`` may stop passes early: this is then an upper bound."""
+    sched = fbt_cfg.schedule()
+    return math.ceil(sum(plain_step_equivalents(sched.passes_at(i, fbt_cfg.steps), fbt_cfg.grad_passes)
+                         for i in range(fbt_cfg.steps)) - 1e-9)
 
 
 def flops_config(fbt_cfg, out: str):
