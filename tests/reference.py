@@ -1,6 +1,7 @@
 """References written from the equations, for tests: the GLU fusion from raw weights, the hand-made feedback mask,
 the K-pass forward and the exact recurrence, each re-running the backbone on ``inputs_embeds`` built here (no
-package helper on the way: not ``model.fuse``, ``model.feedback``, ``gate_table`` nor ``recurrent_forward``).
+package helper on the way: not ``model.fuse``, ``model.feedback``, ``gate_table`` nor ``recurrent_forward``); and the
+FLOPs of scoring a row in a mode, from the parameter counts of a saved model (:func:`scoring_flops`).
 
     gate  = sigmoid(W_G · e / rms(e))                   (paper Eq. 4's token gate)
     glu   = g ⊙ v / rms(v),   v = (W_U · h) ⊙ gate       (g = the output norm's gain)
@@ -9,8 +10,13 @@ package helper on the way: not ``model.fuse``, ``model.feedback``, ``gate_table`
 
 from __future__ import annotations
 
+import math
+import os
+import re
+
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 
 def _rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,3 +86,37 @@ def recurrence_logits(model, ids: torch.Tensor, state_hook=None, mask: torch.Ten
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> float:
     """Mean next-token cross-entropy over every position of every row."""
     return float(F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten()))
+
+
+def scoring_flops(model_dir, row_tokens: int, mode: str, num_passes: int = 2) -> float:
+    """Forward FLOPs of scoring one row of ``row_tokens`` tokens in ``mode`` (``standard``, ``passes``, ``exact``),
+    written from the parameter counts of the saved weights (``model.safetensors``; not the package's FLOP helpers):
+    a token through the body costs 2 FLOPs per weight outside the embedding table and the LM head (norm gains
+    included), a position's logits 2 per LM-head weight, a (query, key) pair 4·L·d (scores and weighted sum over the
+    layers; causal: query t sees t + 1 keys), a fused token 2 per fusion weight. ``passes``: K passes over the row,
+    passes 2..K fused at every position, the logits of the earlier passes at their last position only; ``exact``:
+    the row token by token over a KV cache (one pass's work) with every position but the first fused."""
+    counts = {"body": 0, "head": 0, "fusion": 0}
+    layers, hidden = set(), None
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            n = math.prod(shape)
+            if name.startswith("feedback."):
+                counts["fusion"] += n
+            elif name.endswith("lm_head.weight"):
+                counts["head"] += n
+            elif name.endswith("embed_tokens.weight"):
+                hidden = shape[1]
+            else:
+                counts["body"] += n
+                layers.update(re.findall(r"layers\.(\d+)\.", name))
+    T, K, L = row_tokens, num_passes, len(layers)
+    pairs = T * (T + 1) / 2
+    body, head, pair, fuse = 2 * counts["body"], 2 * counts["head"], 4 * L * hidden, 2 * counts["fusion"]
+    if mode == "standard":
+        return T * body + T * head + pairs * pair
+    if mode == "passes":
+        return K * T * body + (T + K - 1) * head + K * pairs * pair + (K - 1) * T * fuse
+    assert mode == "exact", mode
+    return T * body + T * head + pairs * pair + (T - 1) * fuse

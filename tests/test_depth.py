@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from reference import scoring_flops
 
 from fullband import cli
 from fullband.eval.depth_tasks import (
@@ -146,17 +147,47 @@ def test_depth_experiment_quick_end_to_end(tmp_path, capsys):
     assert (out / "depth.png").stat().st_size > 0
     report = (out / "report.md").read_text()
     test = res["test"]
-    assert res["arms"] == ["baseline-L", "fbt-L", "fbt-L-glu", "fbt-L-k3", "baseline-2L"]
+    controls = ["baseline-L-flops", "baseline-L-epochs"]
+    assert res["arms"] == ["baseline-L", "fbt-L", "fbt-L-glu", "fbt-L-k3", "baseline-2L"] + controls
     assert {t["think"] for t in test} == {0, res["settings"]["max_think"]}
     assert res["runs"]["baseline-2L"]["layers"] == 2 * res["runs"]["baseline-L"]["layers"]
-    # equal tokens
-    assert len({r["tokens"] for r in res["runs"].values()}) == 1
+    # equal tokens, but for the equal-FLOPs controls: the fewest plain steps that reach fbt-L's training FLOPs,
+    # baseline-L-epochs re-reading exactly baseline-L's problems (the same training data), otherwise as baseline-L
+    runs = res["runs"]
+    assert len({r["tokens"] for a, r in runs.items() if a not in controls}) == 1
+    per_step = runs["baseline-L"]["train_flops"] / runs["baseline-L"]["steps"]
+    cfg = {a: json.loads((out / "runs" / a / "run_config.json").read_text()) for a in res["arms"]}
+    data = {a: json.loads((out / "runs" / a / "summary.json").read_text())["data_sha256"] for a in res["arms"]}
+    for control in controls:
+        steps = runs[control]["steps"]
+        assert (steps - 1) * per_step < runs["fbt-L"]["train_flops"] <= steps * per_step
+    assert cfg["baseline-L-epochs"]["unique_batches"] == cfg["baseline-L"]["steps"] == res["settings"]["steps"]
+    assert cfg["baseline-L-flops"]["unique_batches"] == 0
+    assert data["baseline-L-epochs"] == data["baseline-L"] != data["baseline-L-flops"]
+    same = ("out", "steps", "unique_batches")
+    assert ({k: v for k, v in cfg["baseline-L-epochs"].items() if k not in same}
+            == {k: v for k, v in cfg["baseline-L"].items() if k not in same})
+    # inference FLOPs per token x the L-layer standard pass, against a count from the saved weights' parameters
+    seq_len = res["settings"]["seq_len"]
+    for row in res["table"]:
+        if "/" in row["mode"]:
+            continue
+        mode = "passes" if row["mode"].startswith("K=") else row["mode"]
+        k = int(row["mode"][2:]) if mode == "passes" else 1
+        want = (scoring_flops(out / "runs" / row["arm"], seq_len, mode, k)
+                / scoring_flops(out / "runs" / "baseline-L", seq_len, "standard"))
+        assert row["inference_flops"] == pytest.approx(want, rel=1e-12)
+        if row["mode"] == "standard" and row["arm"] != "baseline-2L":
+            assert row["inference_flops"] == 1.0
+    # the FBT arms are also compared with both controls, the baselines not
+    assert all("delta_epochs" in r and "delta_flops" in r for r in res["table"] if r["arm"].startswith("fbt")
+               and "/" not in r["mode"])
+    assert not any("delta_epochs" in r for r in res["table"] if not r["arm"].startswith("fbt"))
     # plain models have the standard mode only; FBT arms every mode and the interventions
     assert list(res["runs"]["baseline-L"]["correct"]) == ["standard"]
     assert set(res["runs"]["fbt-L"]["correct"]) >= {"standard", "K=2", "K=3", "exact", "exact/zero",
                                                       "exact/other-row", "exact/zero-at-answer"}
     # every table number is the mean of the saved per-example results of its cell
-    ref_l = res["runs"]["baseline-L"]["correct"]["standard"]
     for row in res["table"]:
         correct = res["runs"][row["arm"]]["correct"][row["mode"]]
         assert len(correct) == len(test)
@@ -172,10 +203,11 @@ def test_depth_experiment_quick_end_to_end(tmp_path, capsys):
                         if ln.startswith(f"| {row['arm']} | {row['mode']} | {row['think']} |")
                         and row["task"] in report.split(ln)[0].rsplit("**", 2)[-2])
             assert [c.split(" [")[0].strip() for c in line.split("|")[4:4 + len(row["acc"])]] == cells.split(" | ")
-        if "delta_L" in row:
-            deep = [i for i, t in enumerate(test)
-                    if (t["task"], t["think"]) == (row["task"], row["think"]) and t["k"] >= 2]
-            assert row["delta_L"]["estimate"] == pytest.approx(sum(correct[i] - ref_l[i] for i in deep) / len(deep))
+        deep = [i for i, t in enumerate(test) if (t["task"], t["think"]) == (row["task"], row["think"]) and t["k"] >= 2]
+        for key, ref in (("delta_L", "baseline-L"), ("delta_epochs", "baseline-L-epochs")):
+            if key in row:
+                ref_c = res["runs"][ref]["correct"]["standard"]
+                assert row[key]["estimate"] == pytest.approx(sum(correct[i] - ref_c[i] for i in deep) / len(deep))
     lo, hi = 0, res["settings"]["max_think"]
     assert res["think_effect"]
     for row in res["think_effect"]:

@@ -186,16 +186,69 @@ def test_data_efficiency_user_errors(data, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def _check_reasoning_controls(out, res):
+    """baseline-epochs: baseline-flops's steps and schedule on exactly FBT's rows (--unique-batches FBT's steps);
+    each decode mode's FLOPs over standard's, by hand from the saved models' parameter counts and the tokenized
+    prompts of the free decodes (prompt P, G tokens generated up to the stop, EOS included): standard = P + G - 1
+    tokens through the body, G positions' logits, the causal pairs of P + G - 1 positions; soft + G - 1 fusions;
+    fused + one more fused pass over the prompt (its body, pairs, P fusions and one position's logits); exact =
+    standard + the prompt's other P - 1 logits and P + G - 2 fusions."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    steps, flops_steps = res["training"]["steps"], res["training"]["flops_steps"]
+    assert res["training"]["epochs_steps"] == flops_steps
+    for seed in res["seeds"]:
+        e, f = (json.loads((out / f"seed{seed}" / r / "run_config.json").read_text())
+                for r in ("baseline-epochs", "baseline-flops"))
+        assert (e["unique_batches"], f["unique_batches"], e["steps"]) == (steps, 0, flops_steps)
+        assert {k: v for k, v in e.items() if k not in ("out", "unique_batches")} == {
+            k: v for k, v in f.items() if k not in ("out", "unique_batches")}
+    fbt = out / "seed0" / "fbt"
+    tok = AutoTokenizer.from_pretrained(str(fbt))
+    problems = [json.loads(line) for line in (out / "data" / "test.jsonl").read_text().splitlines()]
+    prompt = [len(tok(f"Q: {p['question']}\nA:")["input_ids"]) for p in problems]
+    weights = load_file(str(fbt / "model.safetensors"))
+    text = json.loads((fbt / "config.json").read_text())["text_config"]
+    L, d, V = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
+    backbone = sum(v.numel() for k, v in weights.items() if k.startswith("backbone."))
+    N = backbone - (V * d if any(k.endswith("lm_head.weight") for k in weights) else 0)
+    F = sum(v.numel() for k, v in weights.items() if not k.startswith("backbone."))
+    body, head, pair, fuse = 2 * (N - V * d), 2 * V * d, 4 * L * d, 2 * F
+    tri = lambda n: n * (n + 1) / 2  # noqa: E731
+
+    def cost(mode, P, G):
+        std = (P + G - 1) * body + G * head + tri(P + G - 1) * pair
+        return {"standard": std, "soft": std + (G - 1) * fuse,
+                "fused": std + (G - 1) * fuse + P * body + head + tri(P) * pair + P * fuse,
+                "exact": std + (P - 1) * head + (P + G - 2) * fuse}[mode]
+
+    rows = {(r["model"], r["mode"], r["style"]): r for r in res["table"]}
+    for mode in ("standard", "soft", "fused", "exact"):
+        got = [r for r in res["runs"] if (r["model"], r["mode"], r["style"]) == ("FBT", mode, "free")]
+        num = den = 0.0
+        for run in got:
+            for rec, P in zip(run["records"], prompt):
+                G = max(1, rec["generated_tokens"] + int(rec["hit_eos"]))
+                num, den = num + cost(mode, P, G), den + cost("standard", P, G)
+        assert rows[("FBT", mode, "free")]["decode_flops"] == pytest.approx(num / den, rel=1e-12), mode
+    assert rows[("baseline", "standard", "free")]["decode_flops"] == 1.0
+    assert rows[("FBT", "exact", "free")]["decode_flops"] > rows[("FBT", "soft", "free")]["decode_flops"] > 1.0
+
+
 def test_reasoning_smoke(tmp_path, capsys):
     out = tmp_path / "rs"
     argv = ["experiment", "reasoning", "--quick", "--out", str(out), "--no-progress", "--quiet"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| baseline | standard |" in printed and "| FBT | exact |" in printed and "| baseline-flops | standard |" in printed
+    assert "| baseline | standard | 1.000 |" in printed and "| FBT | exact |" in printed
+    assert "| baseline-flops | standard | 1.000 |" in printed and "| baseline-epochs | standard | 1.000 |" in printed
+    assert "equal unique tokens & FLOPs" in printed
     res = json.loads((out / "results.json").read_text())
     assert res["seeds"] == [0, 1] and res["training"]["flops_steps"] > res["training"]["steps"]
     keys = {(r["model"], r["mode"], r["style"]) for r in res["table"]}
-    assert len(keys) == 6 * 4 and ("FBT", "fused", "direct") in keys
+    assert len(keys) == 7 * 4 and ("FBT", "fused", "direct") in keys and ("baseline-epochs", "standard", "free") in keys
+    _check_reasoning_controls(out, res)
     runs = {(r["seed"], r["model"], r["mode"], r["style"]): r["records"] for r in res["runs"]}
     # a comparison over both seeds, from the per-problem records: both seeds decode the same problems, so the
     # problem is the unit (bugs caught: counting a problem once per seed in the test, pairing the records of

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import reference as ref
@@ -252,45 +253,222 @@ def test_plan_of_a_pass_mix_is_hand_arithmetic():
 # ----------------------------------------------------------------------------------------------- the experiment
 
 
-def test_recipe_paper_arms_from_scratch_quick(tmp_path):
+# every recipe setting of the lead's runs at the default size (runs/experiments/recipe-paper must be reused): written
+# out here, not read from the grid, so a change to any of them fails
+_SCRATCH_350 = dict(steps=350, seed=0, preset="tiny", batch_size=16, seq_len=128, vocab_size=4096, lr=0.003,
+                    lr_schedule="wsd", warmup_fraction=0.05, decay_fraction=0.2, min_lr_ratio=0.1,
+                    feedback_start=0.0, deep_passes=4, fusion_lr_mult=1.0, fusion_warmup=0.0, clip_per_group=False,
+                    feedback_ramp=0.0, fusion_only=0.0, prefix_mix=0.25, jitter=0.02, feedback_weight=1.0,
+                    init_from=None, data_offset=0, unique_batches=0, eval_rows=8, eval_every=0, save_every=0)
+LEAD_ARMS = {
+    "baseline-tied": dict(_SCRATCH_350, fusion="glu", num_passes=1, deep_fraction=0.1, pass_mix=None,
+                          tie_embeddings=True, z_loss=1e-4),
+    "paper": dict(_SCRATCH_350, fusion="glu", num_passes=3, deep_fraction=0.0, pass_mix=PAPER, tie_embeddings=True,
+                  z_loss=1e-4),
+    "paper-k3": dict(_SCRATCH_350, fusion="glu", num_passes=3, deep_fraction=0.0, pass_mix=None, tie_embeddings=True,
+                     z_loss=1e-4),
+    "residual-k3-all": dict(_SCRATCH_350, fusion="residual", num_passes=3, deep_fraction=0.0, pass_mix=None,
+                            tie_embeddings=False, z_loss=0.0),
+    "baseline-scratch": dict(_SCRATCH_350, fusion="glu", num_passes=1, deep_fraction=0.1, pass_mix=None,
+                             tie_embeddings=False, z_loss=0.0),
+}
+LEAD_ARMS["baseline-tied-flops"] = dict(LEAD_ARMS["baseline-tied"], steps=1085)  # ceil(350 x 3.1)
+LEAD_ARMS["baseline-scratch-flops"] = dict(LEAD_ARMS["baseline-scratch"], steps=1085)
+
+
+def _plan(*argv):
+    import argparse
+
+    from fullband.commands.experiments import add_recipe_parser
+    from fullband.experiments import recipe
+
+    parser = argparse.ArgumentParser()
+    add_recipe_parser(parser.add_subparsers())
+    args = parser.parse_args(["recipe", "--out", "R", "--no-progress", *argv])
+    recipe.apply_quick(args, recipe.DEFAULTS, recipe.QUICK)
+    return recipe.seed_plan(args, 0, recipe.complete_arms(args.arms.split(",")))
+
+
+def test_recipe_arm_configs_and_the_epochs_controls_at_the_default_size():
+    """The lead's arms keep every setting (so their finished runs are reused), and each gets its equal-unique-
+    tokens-and-FLOPs control: the -flops twin's settings, steps and schedule, re-reading exactly the base arm's
+    batches (--unique-batches its steps, from its --data-offset); the branched baseline-epochs re-reads the branch's
+    batches after the trunk, from the trunk's model."""
+    trunk, cfgs = _plan("--arms", "baseline-tied,paper,paper-k3,residual-k3-all")
+    assert list(cfgs) == ["baseline-scratch", "baseline-tied", "paper", "paper-k3", "residual-k3-all",
+                          "baseline-scratch-flops", "baseline-tied-flops", "baseline-scratch-epochs",
+                          "baseline-tied-epochs"]
+    for name, want in LEAD_ARMS.items():
+        got = dataclasses.asdict(cfgs[name])
+        assert {k: got[k] for k in want} == want, name
+        assert got["out"] == f"R/seed0/{name}"
+    for base in ("baseline-tied", "baseline-scratch"):
+        epochs, flops = dataclasses.asdict(cfgs[base + "-epochs"]), dataclasses.asdict(cfgs[base + "-flops"])
+        assert (epochs["steps"], epochs["unique_batches"], epochs["data_offset"]) == (1085, 350, 0)
+        assert {k: v for k, v in epochs.items() if k not in ("out", "unique_batches")} == {
+            k: v for k, v in flops.items() if k not in ("out", "unique_batches")}
+    _, branched = _plan("--arms", "glu-wsd")
+    assert list(branched) == ["baseline", "glu-wsd", "baseline-flops", "baseline-epochs"]
+    e, f, b = (dataclasses.asdict(branched[n]) for n in ("baseline-epochs", "baseline-flops", "baseline"))
+    assert (e["steps"], e["unique_batches"], e["data_offset"], e["init_from"]) == (230, 100, 250, "R/seed0/trunk")
+    assert (b["steps"], b["unique_batches"], b["data_offset"]) == (100, 0, 250) and f["unique_batches"] == 0
+    for k in ("lr", "lr_schedule", "warmup_fraction", "decay_fraction", "min_lr_ratio", "num_passes", "seed",
+              "feedback_start", "z_loss", "tie_embeddings"):
+        assert e[k] == f[k] == b[k], k
+    assert {k: v for k, v in e.items() if k not in ("out", "unique_batches")} == {
+        k: v for k, v in f.items() if k not in ("out", "unique_batches")}
+
+
+def _hand_relative(mode: str, model_dir, T: int, P: int) -> float:
+    """Forward FLOPs of scoring a T-token row in ``mode`` over standard's, from the saved model's parameter counts:
+    matmul weights N (every backbone weight but an untied input table), head V x d, fusion F; a token through the
+    body 2 (N - V d), a position's logits 2 V d, a (query, key) pair 4 L d, a fusion 2 F."""
+    weights = load_file(str(model_dir / "model.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    L, d, V = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
+    backbone = {k: v.numel() for k, v in weights.items() if k.startswith("backbone.")}
+    tied = not any(k.endswith("lm_head.weight") for k in backbone)
+    N = sum(backbone.values()) - (0 if tied else V * d)
+    F = sum(v.numel() for k, v in weights.items() if not k.startswith("backbone."))
+    body, head, pair, fuse = 2 * (N - V * d), 2 * V * d, 4 * L * d, 2 * F
+    tri = lambda n: n * (n + 1) / 2  # noqa: E731  (causal pairs of n queries from position 0)
+    standard = T * body + T * head + tri(T) * pair
+    C = T - P
+    steps = (C - 1) * (body + head + fuse) + ((C - 1) * P + tri(C - 1)) * pair
+    flops = {"standard": standard, "K=2": 2 * T * body + (T + 1) * head + 2 * tri(T) * pair + T * fuse,
+             "K=3": 3 * T * body + (T + 2) * head + 3 * tri(T) * pair + 2 * T * fuse,
+             "exact": standard + (T - 1) * fuse,
+             "soft": P * body + head + tri(P) * pair + steps,
+             "fused": 2 * P * body + 2 * head + 2 * tri(P) * pair + P * fuse + steps}[mode]
+    return flops / standard
+
+
+def _record_rows(monkeypatch) -> dict:
+    """The token rows every training step feeds the model, per run directory name (as the trainer reads them)."""
+    import collections
+
+    from fullband.training import pretrain
+
+    seen = collections.defaultdict(list)
+    original = pretrain.PretrainRecipe.batch
+
+    def batch(self, step, num_passes, generator, env):
+        out = original(self, step, num_passes, generator, env)
+        seen[os.path.basename(self.cfg.out)] += [tuple(r) for mb in out.micro for r in mb["input_ids"].tolist()]
+        return out
+
+    monkeypatch.setattr(pretrain.PretrainRecipe, "batch", batch)
+    return seen
+
+
+def test_recipe_branched_epochs_control_rereads_the_branch_batches_quick(tmp_path, monkeypatch):
+    """`--arms baseline`: the trunk (3 steps), the branch (2 steps from the trunk, batches 3..4), baseline-flops and
+    baseline-epochs (5 steps each, from the trunk): baseline-epochs reads, per epoch of 8 rows, exactly the branch's
+    rows (none of the trunk's), in a fresh order; baseline-flops reads further."""
+    import collections
+
+    seen = _record_rows(monkeypatch)
+    out = tmp_path / "recipe"
+    assert cli.main(["experiment", "recipe", "--quick", "--out", str(out), "--no-progress", "--json", "--seeds", "0",
+                     "--arms", "baseline", "--trunk-steps", "3", "--branch-steps", "2", "--eval-rows", "2"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["arms"] == ["baseline", "baseline-flops", "baseline-epochs"] and res["unique_batches"] == {
+        "baseline-epochs": 2}
+    branch, reads, trunk = seen["baseline"], seen["baseline-epochs"], seen["trunk"]
+    assert (len(trunk), len(branch), len(reads), len(seen["baseline-flops"])) == (12, 8, 20, 20)
+    for e in range(2):
+        assert collections.Counter(reads[8 * e:8 * (e + 1)]) == collections.Counter(branch)
+    assert set(reads[16:]) <= set(branch) and reads[:8] != branch and not set(branch) & set(trunk)
+    assert seen["baseline-flops"][:8] == branch and not set(seen["baseline-flops"]) <= set(branch)
+    saved = json.loads((out / "seed0" / "baseline-epochs" / "run_config.json").read_text())
+    assert (saved["init_from"], saved["data_offset"], saved["unique_batches"], saved["steps"]) == (
+        str(out / "seed0" / "trunk"), 3, 2, 5)
+    row = {r["mode"]: r for r in res["table"] if r["arm"] == "baseline"}["standard"]
+    assert row["epochs_reference"] == "baseline-epochs" and row["inference_flops"] == 1.0
+
+
+def test_recipe_paper_arms_from_scratch_quick(tmp_path, monkeypatch):
     """`fullband experiment recipe --arms paper,residual-k3-all`: no trunk (both train from scratch), their
-    baselines of the same steps and tying and the FLOP-matched ones added, each run as long as its arm says, the
-    passes the pass mix draws, tied runs saved tied, and the equal-FLOPs difference by hand from the tied family's
-    two baselines."""
+    baselines of the same steps and tying and both FLOP-matched ones added, each run as long as its arm says, the
+    passes the pass mix draws, tied runs saved tied, the -epochs runs re-reading exactly their base's rows every
+    epoch, the equal-FLOPs and equal-unique-tokens-and-FLOPs differences by hand from each family's baselines, and
+    every mode's inference FLOPs by hand from the saved models' parameter counts."""
+    import collections
+
+    seen = _record_rows(monkeypatch)
     out = tmp_path / "recipe"
     argv = ["experiment", "recipe", "--quick", "--out", str(out), "--no-progress", "--json", "--seeds", "0",
             "--arms", "paper,residual-k3-all", "--trunk-steps", "2", "--branch-steps", "2", "--eval-rows", "2"]
     assert cli.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["arms"] == ["baseline-scratch", "baseline-tied", "paper", "residual-k3-all", "baseline-scratch-flops",
-                           "baseline-tied-flops"]
+                           "baseline-tied-flops", "baseline-scratch-epochs", "baseline-tied-epochs"]
     root = out / "seed0"
     assert not (root / "trunk").exists()
     steps = {"baseline-scratch": 4, "baseline-tied": 4, "paper": 4, "residual-k3-all": 4,
-             "baseline-scratch-flops": 13, "baseline-tied-flops": 13}  # ceil(4 x 3.1)
+             "baseline-scratch-flops": 13, "baseline-tied-flops": 13,  # ceil(4 x 3.1)
+             "baseline-scratch-epochs": 13, "baseline-tied-epochs": 13}
     for arm, n in steps.items():
         recs = train_records(root / arm)
         assert len(recs) == n, arm
         saved = json.loads((root / arm / "run_config.json").read_text())
         assert saved["init_from"] is None and saved["data_offset"] == 0
+        assert saved["unique_batches"] == (4 if arm.endswith("-epochs") else 0)
         has_head = any(k.endswith("lm_head.weight") for k in load_file(str(root / arm / "model.safetensors")))
-        assert has_head == (arm in ("baseline-scratch", "residual-k3-all", "baseline-scratch-flops")), arm
+        assert has_head == (arm.startswith("baseline-scratch") or arm == "residual-k3-all"), arm
+    for base in ("baseline-scratch", "baseline-tied"):  # 16 rows an epoch: exactly the base's, in a fresh order
+        mine, reads = seen[base], seen[base + "-epochs"]
+        assert len(mine) == 16 and len(reads) == 52
+        for e in range(3):
+            assert collections.Counter(reads[16 * e:16 * (e + 1)]) == collections.Counter(mine)
+            assert reads[16 * e:16 * (e + 1)] != mine
+        assert set(reads[48:]) <= set(mine) and not set(seen[base + "-flops"]) <= set(mine)
+        a, b = (json.loads((root / n / "run_config.json").read_text()) for n in (base + "-epochs", base + "-flops"))
+        assert {k: v for k, v in a.items() if k not in ("out", "unique_batches")} == {
+            k: v for k, v in b.items() if k not in ("out", "unique_batches")}
+        assert [r["lr"] for r in train_records(root / (base + "-epochs"))] == [
+            r["lr"] for r in train_records(root / (base + "-flops"))]  # the same full schedule
     paper = TrainConfig(out="x", steps=4, seed=0, feedback_start=0.0, **MIX).schedule()
     assert [r["num_passes"] for r in train_records(root / "paper")] == [paper.passes_at(s, 4) for s in range(4)]
     assert [r["num_passes"] for r in train_records(root / "residual-k3-all")] == [3] * 4
     rows = {(r["arm"], r["mode"]): r for r in res["table"]}
+    assert not any(a.endswith(("-flops", "-epochs")) for a, _ in rows)  # controls, no rows of their own
     run = res["per_seed"][0]["runs"]
-    for arm, base in (("paper", "baseline-tied"), ("residual-k3-all", "baseline-scratch")):
-        lo, hi, me = run[base], run[base + "-flops"], run[arm]
+
+    def interpolated_delta(arm, mode, base, control):
+        lo, hi, me = run[base], run[control], run[arm]
         w = (math.log(me["flops"]) - math.log(lo["flops"])) / (math.log(hi["flops"]) - math.log(lo["flops"]))
         assert 0 <= w <= 1
         d = [m - (a + w * (b - a)) for m, a, b in
-             zip(me["losses"]["fused"], lo["losses"]["standard"], hi["losses"]["standard"])]
-        got = rows[(arm, "fused")]
-        assert got["reference"] == base and got["flops_reference"] == base + "-flops"
-        assert got["delta_flops"]["estimate"] == pytest.approx(sum(d) / len(d))
-        tok = [m - a for m, a in zip(me["losses"]["fused"], lo["losses"]["standard"])]
-        assert got["delta_tokens"]["estimate"] == pytest.approx(sum(tok) / len(tok))
+             zip(me["losses"][mode], lo["losses"]["standard"], hi["losses"]["standard"])]
+        return sum(d) / len(d)
+
+    for arm, base in (("paper", "baseline-tied"), ("residual-k3-all", "baseline-scratch")):
+        for mode in ("fused", "K=3"):
+            got = rows[(arm, mode)]
+            assert got["reference"] == base and got["flops_reference"] == base + "-flops"
+            assert got["epochs_reference"] == base + "-epochs"
+            assert got["delta_flops"]["estimate"] == pytest.approx(interpolated_delta(arm, mode, base, base + "-flops"))
+            assert got["delta_epochs"]["estimate"] == pytest.approx(
+                interpolated_delta(arm, mode, base, base + "-epochs"))
+            tok = [m - a for m, a in zip(run[arm]["losses"][mode], run[base]["losses"]["standard"])]
+            assert got["delta_tokens"]["estimate"] == pytest.approx(sum(tok) / len(tok))
+        assert run[base + "-epochs"]["losses"]["standard"] != pytest.approx(run[base + "-flops"]["losses"]["standard"])
+    # inference FLOPs vs standard, by hand from the parameter counts (32-token rows, an 8-token prompt)
+    assert res["per_seed"][0]["row_tokens"] == 32 and res["settings"]["prompt_tokens"] == 8
+    for arm in ("paper", "residual-k3-all"):
+        for mode in ("standard", "K=2", "K=3", "exact", "soft", "fused"):
+            assert rows[(arm, mode)]["inference_flops"] == pytest.approx(_hand_relative(mode, root / arm, 32, 8),
+                                                                         rel=1e-12), (arm, mode)
+        # K passes, logits once (the micro preset's 300 x 64 head is much of a pass): between 1x and Kx
+        assert 1 < rows[(arm, "K=2")]["inference_flops"] < 2 < rows[(arm, "K=3")]["inference_flops"] < 3
+    assert rows[("paper", "standard")]["inference_flops"] == 1.0
+    assert rows[("baseline-tied", "standard")]["inference_flops"] == 1.0
+    text = (out / "report.md").read_text()
+    assert "inference FLOPs vs standard" in text and "Δ vs equal unique tokens & FLOPs" in text
+    row = next(line for line in text.splitlines() if line.startswith("| paper | K=3 |"))
+    assert f"| {rows[('paper', 'K=3')]['inference_flops']:.3f} |" in row
     # tying drops the input table, which is no matmul, and keeps the head: the same training FLOPs
     assert run["baseline-tied"]["flops"] == run["baseline-scratch"]["flops"]
     # K = 3 on every step: the run's FLOPs are 3 passes and 2 fusions a step, below the FLOP-matched baseline's

@@ -316,7 +316,8 @@ def test_recipe_experiment_quick(tmp_path, capsys):
             "--arms", "shipped,residual-warm", "--trunk-steps", "3", "--branch-steps", "2", "--eval-rows", "2"]
     assert cli.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
-    assert set(res["arms"]) == {"baseline", "baseline-decayed", "shipped", "residual-warm", "baseline-flops"}
+    assert set(res["arms"]) == {"baseline", "baseline-decayed", "shipped", "residual-warm", "baseline-flops",
+                                "baseline-epochs"}
     rows = {(r["arm"], r["mode"]): r for r in res["table"]}
     assert {m for a, m in rows if a == "residual-warm"} == {"standard", "K=2", "K=3", "exact", "soft", "fused"}
     # every figure is the mean of the per-row losses of its seeds; the delta is paired against the right baseline
@@ -349,7 +350,8 @@ def test_recipe_experiment_quick(tmp_path, capsys):
     assert (got["low"], got["high"]) == pytest.approx(_per_seed_ci_bounds(d_flops))
     # training FLOPs, from the preset's shapes; the steps each run took
     bs, seq = 4, 32
-    steps = {"baseline": 2, "baseline-decayed": 2, "shipped": 2, "residual-warm": 2, "baseline-flops": 5}  # ceil(2 x 2.3)
+    steps = {"baseline": 2, "baseline-decayed": 2, "shipped": 2, "residual-warm": 2, "baseline-flops": 5,
+             "baseline-epochs": 5}  # ceil(2 x 2.3)
     for seed, s in zip((0, 1), res["per_seed"]):
         for arm, n in steps.items():
             recs = train_records(out / f"seed{seed}" / arm)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fullband import cli
 from fullband.training.checkpoint import model_fingerprint
 from fullband.training.config import TrainConfig
-from fullband.training.pretrain import data_fingerprint, run_differences
+from fullband.training.pretrain import build_tokenizer_and_corpus, data_fingerprint, run_differences
 
 
 def _train(data, out, *extra, steps=2):
@@ -49,8 +50,6 @@ def test_run_differences_names_options_data_and_init(tmp_path, data):
     saved = json.loads((out / "run_config.json").read_text())
     cfg = TrainConfig(**saved)
     summary = json.loads((out / "summary.json").read_text())
-    from fullband.training.pretrain import build_tokenizer_and_corpus
-
     corpus = build_tokenizer_and_corpus(cfg)
     assert summary["data_sha256"] == data_fingerprint(corpus) and summary["init_sha256"] is None
     assert run_differences(cfg, corpus) == []
@@ -59,6 +58,30 @@ def test_run_differences_names_options_data_and_init(tmp_path, data):
     other = build_tokenizer_and_corpus(TrainConfig(**{**saved, "seed": 1}))  # another split of the documents
     assert run_differences(cfg, other) == ["the training data"]
     assert run_differences(TrainConfig(**{**saved, "out": str(tmp_path / "none")}), corpus) is None
+
+
+def test_a_moved_run_is_the_same_run_and_its_init_model_counts_by_weights(tmp_path, data):
+    """A finished run moved with its directory is reused there (where it lies is not what it trained); an
+    --init-from model is compared by its weights: a copy elsewhere is the same start, changed weights are not,
+    and starting from no model at all differs from starting from one."""
+    init = tmp_path / "init"
+    _train(data, init, "--num-passes", "1")
+    out = tmp_path / "run"
+    _train(data, out, "--num-passes", "1", "--init-from", str(init))
+    moved, init_copy = tmp_path / "elsewhere" / "run", tmp_path / "elsewhere" / "init"
+    shutil.copytree(out, moved)
+    shutil.copytree(init, init_copy)
+    saved = json.loads((out / "run_config.json").read_text())
+    corpus = build_tokenizer_and_corpus(TrainConfig(**saved))
+    same = TrainConfig(**{**saved, "out": str(moved), "init_from": str(init_copy)})
+    assert run_differences(same, corpus) == []
+    weights = load_file(str(init_copy / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, str(init_copy / "model.safetensors"), metadata={"format": "pt"})
+    assert run_differences(same, corpus) == ["the --init-from model"]
+    assert run_differences(TrainConfig(**{**saved, "out": str(moved), "init_from": None}), corpus) == [
+        "--init-from True -> False"]
 
 
 def test_experiments_keep_a_finished_run_of_other_options(tmp_path, data, capsys):
@@ -70,7 +93,7 @@ def test_experiments_keep_a_finished_run_of_other_options(tmp_path, data, capsys
     capsys.readouterr()
     argv = ["quickstart", "--out", str(qs), "--preset", "micro", "--steps", "4", "--batch-size", "2", "--seq-len",
             "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "0", "--no-progress", "--quiet",
-            "--no-flops-baseline"]
+            "--no-flops-baseline", "--no-state"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(qs / "baseline") in err and "--steps 2 -> 4" in err and "--overwrite" in err
@@ -102,9 +125,11 @@ def test_quickstart_reuses_its_finished_runs(tmp_path, capsys):
     re-reading the FBT run's rows: --unique-batches)."""
     out = tmp_path / "qs"
     argv = ["quickstart", "--out", str(out), "--preset", "micro", "--steps", "4", "--batch-size", "2", "--seq-len",
-            "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "0", "--no-progress", "--quiet"]
+            "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "0", "--no-progress", "--quiet",
+            "--state-steps", "2", "--state-test-rows", "2"]
     assert cli.main(argv) == 0
-    runs = ("baseline", "fbt", "baseline-flops", "baseline-epochs")
+    runs = ("baseline", "fbt", "baseline-flops", "baseline-epochs") + tuple(
+        os.path.join("state", "seed0", "runs", n) for n in ("baseline-L", "baseline-2L", "fbt-L-glu"))
     stamps = {d: _stamps(out / d) for d in runs}
     first = json.loads((out / "results.json").read_text())
     saved = json.loads((out / "baseline-epochs" / "run_config.json").read_text())
@@ -141,3 +166,32 @@ def test_a_reasoning_decode_is_not_reused_after_the_weights_change(tmp_path, cap
     assert "FBT in exact mode" in err and "baseline in standard mode" not in err
     cache = json.loads((out / "seed0" / "decodes.json").read_text())
     assert cache["FBT/exact/free"]["key"]["model_sha256"] == model_fingerprint(str(out / "seed0" / "fbt"))
+
+
+def test_a_pass_mix_written_in_another_order_is_the_same_run(tmp_path, data, capsys):
+    """--pass-mix compares by its pairs: a run resumed with the mix reordered (and ``.75`` for ``0.75``) continues
+    bitwise as the uninterrupted one, and the finished run is reused for it; another mix is refused on --resume."""
+    mix = ("--num-passes", "3", "--deep-fraction", "0", "--feedback-start", "0", "--seed", "2")
+    full, part = tmp_path / "full", tmp_path / "part"
+    _train(data, full, *mix, "--pass-mix", "1:0.75,2:0.22,3:0.03", steps=8)
+    _train(data, part, *mix, "--pass-mix", "1:0.75,2:0.22,3:0.03", "--save-every", "4", "--stop-after", "4", steps=8)
+    _train(data, part, *mix, "--pass-mix", "3:0.03,1:.75,2:0.22", "--resume", steps=8)
+
+    def losses(out):
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["num_passes"], r["loss"]) for r in recs if r.get("split", "train") == "train" and "loss" in r]
+
+    assert losses(part) == losses(full) and len(losses(full)) == 8
+    saved = json.loads((full / "run_config.json").read_text())
+    corpus = build_tokenizer_and_corpus(TrainConfig(**saved))
+    assert run_differences(TrainConfig(**{**saved, "pass_mix": "2:0.22,3:0.03,1:0.75"}), corpus) == []
+    assert run_differences(TrainConfig(**{**saved, "pass_mix": "1:0.5,2:0.25,3:0.25"}), corpus) == [
+        "--pass-mix '1:0.75,2:0.22,3:0.03' -> '1:0.5,2:0.25,3:0.25'"]
+    argv = ["train", "--preset", "micro", "--steps", "8", "--out", str(part), "--data", data, "--vocab-size", "300",
+            "--seq-len", "32", "--batch-size", "2", "--no-progress", "--no-tensorboard", "--no-plot", *mix,
+            "--pass-mix", "1:0.5,2:0.25,3:0.25", "--resume", "--save-every", "4", "--stop-after", "4"]
+    shutil.rmtree(part)
+    _train(data, part, *mix, "--pass-mix", "1:0.75,2:0.22,3:0.03", "--save-every", "4", "--stop-after", "4", steps=8)
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    assert "--pass-mix" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import feedback_mask, fuse, recurrence_logits
+from reference import feedback_mask, fuse, recurrence_logits, scoring_flops
 
 from fullband import cli
 from fullband.eval.depth_tasks import permutations_of
@@ -26,6 +26,7 @@ from fullband.eval.state_tasks import (
 )
 from fullband.training.config import TrainConfig
 from fullband.training.schedule import FeedbackSchedule
+from fullband.utils.stats import bootstrap_ci_within_seeds
 
 from conftest import random_ids, tiny_model
 
@@ -281,36 +282,42 @@ def test_train_flags_and_validation(capsys):
 
 def test_state_experiment_quick_end_to_end(tmp_path, capsys):
     out = tmp_path / "state"
-    arms = "baseline-L,baseline-2L,baseline-4L,fbt-L,fbt-L-glu,baseline-L-flops,fbt-L-glu-g2,fbt-L-glu-tol"
+    arms = ("baseline-L,baseline-2L,baseline-4L,fbt-L,fbt-L-glu,baseline-L-flops,baseline-L-epochs,fbt-L-glu-g2,"
+            "fbt-L-glu-tol")
     assert cli.main(["experiment", "state", "--quick", "--out", str(out), "--json", "--arms", arms]) == 0
     printed = json.loads(capsys.readouterr().out)
     res = json.loads((out / "results.json").read_text())
     assert printed["table"] == res["table"]
+    assert res["seeds"] == [0] and list(res["per_seed"]) == ["0"]  # --seeds defaults to one seed, 0
     s = res["settings"]
     lengths = [s["length"], 2 * s["length"], 4 * s["length"]]
     assert s["lengths"] == lengths and s["num_passes"] == s["length"] + 1
     tasks = s["tasks"].split(",")
     assert res["arms"] == arms.split(",")
     cells = {(r["arm"], r["mode"], r["task"], r["length"]) for r in res["table"]}
+    seed0 = res["per_seed"]["0"]
     for arm in res["arms"]:
         modes = ["standard", "K=2", "exact"] if arm.startswith("fbt") else ["standard"]
-        assert list(res["runs"][arm]["correct"]) == modes + (["exact/zero", "exact/shuffle"] if arm.startswith("fbt")
-                                                              else [])
+        assert list(seed0[arm]["correct"]) == modes + (["exact/zero", "exact/shuffle"] if arm.startswith("fbt")
+                                                        else [])
         for mode in modes:
             for task in tasks:
                 for n in lengths:
                     assert (arm, mode, task, n) in cells
-                    v = res["runs"][arm]["correct"][mode][f"{task}/{n}"]
+                    v = seed0[arm]["correct"][mode][f"{task}/{n}"]
                     assert len(v["pos"]) == len(v["last"]) == s["test_rows"] and len(v["by_position"]) == n
                     row = next(r for r in res["table"] if (r["arm"], r["mode"], r["task"], r["length"])
                                == (arm, mode, task, n))
                     assert row["pos"]["estimate"] == pytest.approx(sum(v["pos"]) / len(v["pos"]))
                     assert row["last"]["estimate"] == pytest.approx(sum(v["last"]) / len(v["last"]))
-    # equal tokens, except the equal-FLOPs control, which trains for the first FBT arm's FLOPs
+    # equal tokens, except the equal-FLOPs controls, which train for the first FBT arm's FLOPs
     runs = res["runs"]
-    assert len({runs[a]["tokens"] for a in res["arms"] if a != "baseline-L-flops"}) == 1
-    assert runs["baseline-L-flops"]["train_flops"] >= runs["fbt-L"]["train_flops"] * 0.99
-    assert runs["baseline-L-flops"]["steps"] > runs["baseline-L"]["steps"]
+    controls = ("baseline-L-flops", "baseline-L-epochs")
+    assert len({runs[a]["tokens"] for a in res["arms"] if a not in controls}) == 1
+    for control in controls:
+        assert runs[control]["train_flops"] >= runs["fbt-L"]["train_flops"] * 0.99
+        assert runs[control]["steps"] > runs["baseline-L"]["steps"]
+    assert "| baseline-L-epochs | standard | s3 | baseline-L |" in (out / "report.md").read_text()
     # the truncated-gradient arm costs less than the full one
     assert runs["fbt-L-glu-g2"]["train_flops"] < runs["fbt-L-glu"]["train_flops"]
     inter = {(r["arm"], r["task"], r["length"], r["intervention"]) for r in res["interventions"]}
@@ -324,3 +331,93 @@ def test_state_experiment_quick_end_to_end(tmp_path, capsys):
     one = next(c for c in cost if c["grad_passes"] == 1 and c["num_passes"] == s["num_passes"])
     assert one["saved_mib"] < full["saved_mib"] and one["flops_ratio"] < full["flops_ratio"]
     assert (out / "state.png").stat().st_size > 0 and "| fbt-L | exact |" in (out / "report.md").read_text()
+    # inference FLOPs per token, x the L-layer model's standard pass on the same rows: against a count written from
+    # the saved weights' parameter counts (tests/reference.py); the standard pass of every L-layer model exactly 1
+    run = lambda arm: out / "seed0" / "runs" / arm  # noqa: E731
+    for r in res["table"]:
+        T = r["length"] + 2  # the rows scored: BOS, the T inputs, EOS
+        mode = {"standard": "standard", "K=2": "passes", "exact": "exact"}[r["mode"]]
+        want = scoring_flops(run(r["arm"]), T, mode) / scoring_flops(run("baseline-L"), T, "standard")
+        assert r["inference_flops"] == pytest.approx(want, rel=1e-12), (r["arm"], r["mode"], T)
+        if r["mode"] == "standard" and runs[r["arm"]]["layers"] == s["layers"]:
+            assert r["inference_flops"] == 1.0
+    by = {(r["arm"], r["mode"], r["length"]): r["inference_flops"] for r in res["table"]}
+    assert 1.0 < by[("fbt-L", "exact", s["length"])] < by[("fbt-L", "K=2", s["length"])]
+    assert by[("baseline-4L", "standard", s["length"])] > by[("baseline-2L", "standard", s["length"])] > 1.0
+
+
+def test_state_seeds_reuse_a_moved_seed_and_aggregate_per_seed(tmp_path, capsys):
+    """``--seeds 0,1`` after a ``--seed 0`` run moved to another --out: seed 0 is reused there (not one of its
+    files rewritten), only seed 1 trains; every table number is the mean over seeds of the per-seed means of the
+    per-row results in results.json, its CI resamples rows within each seed; and baseline-L-epochs is plain, as
+    many steps as baseline-L-flops (the fewest plain steps reaching fbt-L's training FLOPs), re-reading exactly
+    baseline-L's rows (--unique-batches = --steps, the same training data), with baseline-L's other options."""
+    arms = "baseline-L,fbt-L,baseline-L-flops,baseline-L-epochs"
+    cmd = ["experiment", "state", "--quick", "--no-cost", "--arms", arms]
+    first, out = tmp_path / "first", tmp_path / "state"
+    assert cli.main(cmd + ["--out", str(first), "--seed", "0"]) == 0
+    single = json.loads((first / "results.json").read_text())
+    out.mkdir()
+    (first / "seed0").rename(out / "seed0")  # a finished seed moved elsewhere, as a run of the old layout would be
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "seed0").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli.main(cmd + ["--out", str(out), "--seeds", "0,1"]) == 0
+    trained = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("state: training")]
+    assert len(trained) == 4  # the four arms of seed 1 only
+    assert {p: p.stat().st_mtime_ns for p in (out / "seed0").rglob("*") if p.is_file()} == stamps
+    assert sorted(p.name for p in (out / "seed1" / "runs").iterdir()) == sorted(arms.split(","))
+    res = json.loads((out / "results.json").read_text())
+    assert res["seeds"] == [0, 1] and res["settings"]["seeds"] == "0,1"
+    per = res["per_seed"]
+    assert per["0"] == {a: {**r, "train_seconds": per["0"][a]["train_seconds"],
+                            "eval_seconds": per["0"][a]["eval_seconds"]} for a, r in single["per_seed"]["0"].items()}
+    assert per["0"]["baseline-L"]["correct"] != per["1"]["baseline-L"]["correct"]  # other rows, other weights
+
+    def mean(x):
+        return sum(x) / len(x)
+
+    for row in res["table"]:
+        cell = f"{row['task']}/{row['length']}"
+        rows = [per[s][row["arm"]]["correct"][row["mode"]][cell]["pos"] for s in ("0", "1")]
+        assert row["per_seed"]["pos"] == pytest.approx([mean(r) for r in rows])
+        assert row["pos"]["estimate"] == pytest.approx(mean([mean(r) for r in rows]))
+        assert row["pos"]["low"] <= row["pos"]["estimate"] <= row["pos"]["high"]
+        ci = bootstrap_ci_within_seeds(rows, seed=0, n_resamples=2000)  # rows resampled within each seed
+        assert (row["pos"]["low"], row["pos"]["high"]) == pytest.approx((ci["low"], ci["high"]))
+        last = [per[s][row["arm"]]["correct"][row["mode"]][cell]["last"] for s in ("0", "1")]
+        assert row["last"]["estimate"] == pytest.approx(mean([mean(r) for r in last]))
+    assert {d["vs"] for d in res["deltas"] if d["arm"] == "fbt-L"} == {"baseline-L", "baseline-L-flops",
+                                                                      "baseline-L-epochs"}
+    assert {d["vs"] for d in res["deltas"] if d["arm"] == "baseline-L-epochs"} == {"baseline-L"}
+    for d in res["deltas"]:
+        cell = f"{d['task']}/{d['length']}"
+        diffs = [mean([a - b for a, b in zip(per[s][d["arm"]]["correct"][d["mode"]][cell]["pos"],
+                                             per[s][d["vs"]]["correct"]["standard"][cell]["pos"])]) for s in ("0", "1")]
+        assert d["delta"]["estimate"] == pytest.approx(mean(diffs))
+    for s in ("0", "1"):
+        runs = out / f"seed{s}" / "runs"
+        cfg = {a: json.loads((runs / a / "run_config.json").read_text()) for a in arms.split(",")}
+        data = {a: json.loads((runs / a / "summary.json").read_text())["data_sha256"] for a in arms.split(",")}
+        epochs, flops, base = cfg["baseline-L-epochs"], cfg["baseline-L-flops"], cfg["baseline-L"]
+        assert epochs["unique_batches"] == base["steps"] == 6 and flops["unique_batches"] == 0
+        per_step = per[s]["baseline-L"]["train_flops"] / base["steps"]
+        assert epochs["steps"] == flops["steps"]
+        assert (epochs["steps"] - 1) * per_step < per[s]["fbt-L"]["train_flops"] <= epochs["steps"] * per_step
+        assert data["baseline-L-epochs"] == data["baseline-L"] != data["baseline-L-flops"]
+        assert epochs["num_passes"] == 1
+        same = ("out", "steps", "unique_batches")
+        assert {k: v for k, v in epochs.items() if k not in same} == {k: v for k, v in base.items() if k not in same}
+    report = (out / "report.md").read_text()
+    assert "mean of 2 seeds" in report and "| fbt-L | exact | s3 | baseline-L-epochs |" in report
+
+
+def test_state_seed_and_control_options_are_checked(tmp_path, capsys):
+    """One-line errors, exit 2, nothing written: both --seeds and --seed, a repeated, non-integer or negative seed,
+    an equal-FLOPs control without an FBT arm to match."""
+    for bad, says in ((["--seeds", "0", "--seed", "1"], "--seed"), (["--seeds", "0,0"], "--seeds"),
+                      (["--seeds", "a"], "--seeds"), (["--seeds", "-1"], "--seeds"),
+                      (["--arms", "baseline-L,baseline-L-epochs"], "needs an FBT arm")):
+        assert cli.main(["experiment", "state", "--quick", "--out", str(tmp_path / "x"), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0]
+    assert not (tmp_path / "x").exists()

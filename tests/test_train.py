@@ -425,7 +425,8 @@ def test_quickstart_smoke(tmp_path, capsys):
     out = tmp_path / "qs"
     rc = cli.main(["quickstart", "--out", str(out), "--preset", "micro", "--steps", "4", "--batch-size", "2",
                    "--seq-len", "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "1",
-                   "--sample-tokens", "4", "--prompt-tokens", "4", "--no-progress", "--quiet"])
+                   "--sample-tokens", "4", "--prompt-tokens", "4", "--no-progress", "--quiet", "--state-steps", "2",
+                   "--state-test-rows", "3"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| baseline | standard |" in printed and "exact" in printed
@@ -463,6 +464,21 @@ def test_quickstart_smoke(tmp_path, capsys):
     base, fbt = train_rows(out / "baseline"), train_rows(out / "fbt")
     assert [r["tokens"] for r in base] == [r["tokens"] for r in fbt]
     assert all(r["num_passes"] == 1 for r in base) and fbt[-1]["num_passes"] > 1
+    # the running-state part: the state experiment's own runs and results (seed 0, the quickstart's), its compact
+    # table printed and in the report; FBT trained with K = T + 1 = 11 passes on every step
+    part = json.loads((out / "state" / "results.json").read_text())
+    assert part["arms"] == ["baseline-L", "baseline-2L", "fbt-L-glu"] and part["seeds"] == [0]
+    assert part["settings"]["tasks"] == "s3,parity" and part["settings"]["steps"] == 2
+    assert {r["num_passes"] for r in train_rows(out / "state" / "seed0" / "runs" / "fbt-L-glu")} == {11}
+    table = res["running_state"]["table"]
+    assert table in printed and table in (out / "report.md").read_text()
+    for r in part["table"]:
+        if r["mode"] == "exact" or (r["mode"] == "standard" and r["arm"] != "fbt-L-glu"):
+            cell = f"{r['pos']['estimate']:.2f} [{r['pos']['low']:.2f}, {r['pos']['high']:.2f}] / {r['last']['estimate']:.2f}"
+            line = next(x for x in table.splitlines() if x.startswith(f"| {r['task']} | {r['arm']} ({r['mode']}) |"))
+            assert line.split(" | ")[2 + [10, 20, 40].index(r["length"])].strip(" |") == cell
+    zeroed = [x for x in table.splitlines() if "state zeroed" in x]
+    assert [x.split(" | ")[0] for x in zeroed] == ["| s3", "| parity"]
 
 
 # ----------------------------------------------------------------------------------------------- io

@@ -2,7 +2,7 @@
 
 * ``data-efficiency`` (:mod:`fullband.experiments.data_efficiency`): baselines at several token budgets vs FBT at
   1x -- the effective token multiplier and the matched-compute comparison;
-* ``reasoning`` (:mod:`fullband.experiments.reasoning`): baseline, FBT and an equal-FLOPs baseline on synthetic
+* ``reasoning`` (:mod:`fullband.experiments.reasoning`): baseline, FBT and two equal-FLOPs baselines on synthetic
   problems written with traces of mixed verbosity -- accuracy and trace length per decode mode and verbosity,
   >= 2 seeds, paired statistics;
 * ``recipe`` (:mod:`fullband.experiments.recipe`): the feedback recipe grid -- every mode, equal tokens and equal
@@ -14,7 +14,7 @@
   2T, 4T;
 
 Each writes ``results.json`` and ``report.md`` into ``--out`` and prints its tables; trained models stay in
-``OUT/runs/`` (``OUT/seed*/`` for the recipe grid).
+``OUT/runs/`` (``OUT/seed*/`` for the recipe grid, ``OUT/seed*/runs/`` for the state experiment).
 
 This module owns their command line only (options, defaults, help texts); what each experiment trains, measures
 and reports is its module's in :mod:`fullband.experiments`.
@@ -98,9 +98,16 @@ def add_model_arguments(r, defaults: dict) -> None:
 
 
 def add_run_arguments(r, defaults: dict, kept: str) -> None:
-    """The last options of the synthetic-task experiments (``depth``, ``state``): ``--seed``, ``--device``,
-    ``--quick``, ``--json`` (``kept``: what results.json keeps, e.g. per-row lists)."""
-    r.add_argument("--seed", type=int, default=defaults["seed"], help="seed (default: %(default)s)")
+    """The last options of the synthetic-task experiments (``depth``, ``state``): ``--seed`` (and ``--seeds`` where
+    ``defaults`` has seeds), ``--device``, ``--quick``, ``--json`` (``kept``: what results.json keeps, e.g. per-row
+    lists)."""
+    if "seeds" in defaults:
+        r.add_argument("--seeds", default=None,
+                       help="comma-separated training seeds, each a run of its own in OUT/seed{N}/ (a later "
+                            f"invocation with more seeds trains only the new ones) (default: {defaults['seeds']})")
+        r.add_argument("--seed", type=int, default=None, help="one seed: the same as --seeds N")
+    else:
+        r.add_argument("--seed", type=int, default=defaults["seed"], help="seed (default: %(default)s)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda")
     r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
     r.add_argument("--json", action="store_true", help=f"print the results as JSON ({kept} lists in results.json)")
@@ -128,11 +135,12 @@ def add_recipe_parser(ex) -> None:
                    help="comma-separated arms (default: the branched grid but concat-warm; each arm's baselines are "
                         "added); one of " + ", ".join(recipe.ARM_BY_NAME))
     r.add_argument("--flops-multiplier", type=float, default=recipe.DEFAULTS["flops_multiplier"],
-                   help="steps of the FLOP-matched baseline as a multiple of --branch-steps (its FLOPs bound the "
-                        "equal-FLOPs comparison; an arm costlier than that is reported out of range)")
+                   help="steps of the FLOP-matched baselines of the branched arms (baseline-flops, reading further; "
+                        "baseline-epochs, re-reading the branch's batches) as a multiple of --branch-steps (their "
+                        "FLOPs bound the equal-FLOPs comparisons; an arm costlier than that is reported out of range)")
     r.add_argument("--scratch-flops-multiplier", type=float, default=recipe.DEFAULTS["scratch_flops_multiplier"],
                    help="steps of the FLOP-matched baselines of the arms from scratch (baseline-scratch-flops, "
-                        "baseline-tied-flops) as a multiple of --trunk-steps + --branch-steps (default 3.1: above "
+                        "baseline-tied-flops and their -epochs twins) as a multiple of --trunk-steps + --branch-steps (default 3.1: above "
                         "K=3 on every step, 3 passes + 2 fusions)")
     r.add_argument("--eval-rows", type=int, default=recipe.DEFAULTS["eval_rows"], help="held-out rows scored")
     r.add_argument("--prompt-tokens", type=int, default=recipe.DEFAULTS["prompt_tokens"],
@@ -183,7 +191,7 @@ def add_state_parser(ex) -> None:
                    help="the early-stop tolerance of the fbt-L-glu-tol arm and the cost table (default: %(default)s)")
     r.add_argument("--arms", default=None,
                    help=f"comma-separated arms (default: {','.join(state.DEFAULT_ARMS)}); also "
-                        + ", ".join(state.ARM_NAMES[6:]))
+                        + ", ".join(state.ARM_NAMES[len(state.DEFAULT_ARMS):]))
     r.add_argument("--no-cost", action="store_true", help="skip the cost table (step time and memory per K)")
     add_run_arguments(r, state.DEFAULTS, "per-row")
     r.set_defaults(func=lambda args: (state.run_state(args), 0)[1])
@@ -215,6 +223,8 @@ def add_reasoning_parser(ex) -> None:
     r.add_argument("--fbt-modes", default=reasoning.RS_DEFAULTS["fbt_modes"],
                    help="FBT decode modes (default: %(default)s)")
     r.add_argument("--no-flops-baseline", action="store_true", help="skip the equal-FLOPs baseline")
+    r.add_argument("--no-epochs-baseline", action="store_true",
+                   help="skip baseline-epochs (the equal-unique-tokens-and-FLOPs baseline: FBT's rows re-read)")
     r.add_argument("--max-new-tokens", type=int, default=reasoning.RS_DEFAULTS["max_new_tokens"],
                    help="longest completion (default: %(default)s)")
     r.add_argument("--gen-batch-size", type=int, default=reasoning.RS_DEFAULTS["gen_batch_size"],

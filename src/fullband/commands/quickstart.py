@@ -42,6 +42,13 @@ def add_parser(sub) -> None:
     p.add_argument("--no-epochs-baseline", action="store_true",
                    help="skip the baseline trained for as many FLOPs as the FBT run on exactly its unique rows, "
                         "re-read epoch after epoch (no equal-unique-tokens + equal-FLOPs comparison)")
+    p.add_argument("--no-state", action="store_true",
+                   help="skip the running-state part (S3 and parity with a label at every position: FBT trained "
+                        "with the exact recurrence vs plain L- and 2L-layer models, tested at T, 2T and 4T)")
+    p.add_argument("--state-steps", type=int, default=DEFAULTS["state_steps"],
+                   help="training steps of each running-state model")
+    p.add_argument("--state-test-rows", type=int, default=DEFAULTS["state_test_rows"],
+                   help="fresh test rows per running-state task and length")
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT model from scratch instead of branching it off the baseline at the feedback start")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -349,13 +349,43 @@ def save_png(fig, path: str, dpi: int = 110) -> str:
     return path
 
 
-def write_outputs(out: str, res: dict, markdown: str, table: str, as_json: bool, omit=(), lead: str = "") -> None:
-    """``results.json`` and ``report.md`` into ``out`` (atomically), then the results as JSON (without the bulky keys
-    in ``omit``) or the table and where the report is."""
+def write_outputs(out: str, res: dict, markdown: str, table: str, as_json: bool, omit=(), lead: str = "",
+                  show: bool = True) -> None:
+    """``results.json`` and ``report.md`` into ``out`` (atomically), then (``show``) the results as JSON (without
+    the bulky keys in ``omit``) or the table and where the report is."""
     atomic_write_json(os.path.join(out, "results.json"), res)
     atomic_write_text(os.path.join(out, "report.md"), markdown)
+    if not show:
+        return
     if as_json:
         print(json.dumps({k: v for k, v in res.items() if k not in omit}, indent=2))
     else:
         print(table)
         print(f"\n{lead}{res['seconds']:.0f}s; report: {os.path.join(out, 'report.md')}")
+
+
+def accuracy_panels(panels: list[dict], path: str, xlabel: str, height: float = 3.4) -> str:
+    """Accuracy curves, one panel per entry of ``panels`` side by side, written as a PNG (:func:`save_png`). A
+    panel: ``{"title", "chance" (a dashed grey line), "lines": [(x, y, style, color, label)]}``, optionally
+    ``"vline"`` (an x to mark), ``"xticks"`` and ``"marker"``; accuracy from 0 to 1, the legend on the last panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), height), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for x, y, style, color, label in panel["lines"]:
+            ax.plot(x, y, style, color=color, label=label, marker=panel.get("marker"), ms=3)
+        if panel.get("xticks") is not None:
+            ax.set_xticks(panel["xticks"])
+        if panel.get("vline") is not None:
+            ax.axvline(panel["vline"], color="grey", lw=0.7)
+        ax.axhline(panel["chance"], color="grey", lw=0.7, ls="--")
+        ax.set_title(panel["title"], fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("accuracy")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    return save_png(fig, path)

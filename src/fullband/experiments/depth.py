@@ -4,13 +4,17 @@ Owns the depth experiment: its arms (:data:`ARMS`), their training on the tasks 
 :mod:`fullband.eval.depth_tasks` (k-hop pointer chasing, iterated composition), the per-example evaluation in
 every decode mode, the state interventions, and the report.
 
-Every arm trains on the same problems in the same order for the same steps (equal tokens), from the same
-random backbone of its depth (a Llama built in code, saved once under ``OUT/init/``):
+Every arm but the two equal-FLOPs controls trains on the same problems in the same order for the same steps (equal
+tokens), from the same random backbone of its depth (a Llama built in code, saved once under ``OUT/init/``):
 
 * ``baseline-L``: plain, L layers; ``baseline-2L``: plain, 2L layers (the depth-matched reference);
 * ``fbt-L``: L layers, ``fullband train``'s default recipe (residual entry ``u = e + GLU(h, e)``, WSD, feedback
   from 70% of the steps, K = 2 with 10% K = 4, switch-on warm-up); ``fbt-L-glu``: the same with the paper's pure
-  GLU; ``fbt-L-k3``: the default with K = 3 and 10% K = 6 (more passes).
+  GLU; ``fbt-L-k3``: the default with K = 3 and 10% K = 6 (more passes);
+* the controls of the first FBT arm, plain, L layers, trained for its training FLOPs (every pass counted) with
+  their own full LR schedule: ``baseline-L-flops`` on fresh problems (more unique tokens), ``baseline-L-epochs``
+  re-reading exactly baseline-L's problems epoch after epoch (``--unique-batches``: equal unique tokens and equal
+  FLOPs).
 
 Training data mixes the tasks, k uniform in 1..max_k and 0..max_think filler (think) positions before ``=``; the
 loss is on the answer token only. Test problems come from another seed, ``--test-per-cell`` per (task, k, think)
@@ -19,8 +23,10 @@ for think = 0 and think = max_think. Each FBT arm is scored in ``standard`` (no 
 :func:`fullband.eval.scoring.mode_logits`; the answer is the argmax of the logits at the ``=`` position. In exact
 mode three interventions on the fed-back state (zeroed everywhere, taken from another problem, zeroed only where
 it enters the ``=`` position) say whether the state is used. Reported: accuracy per cell with a 95% bootstrap CI,
-paired differences to both baselines on the k >= 2 cells, the paired effect of think positions (the same questions
-at 0 and max_think), pointer accuracy where the answer is not the start symbol (the copy shortcut), and a plot.
+the inference FLOPs per token of each mode (x the L-layer model's standard pass), paired differences to both
+baselines (and, for the FBT arms, to both controls) on the k >= 2 cells, the paired effect of think positions (the
+same questions at 0 and max_think), pointer accuracy where the answer is not the start symbol (the copy shortcut),
+and a plot.
 A finished run is reused only for the same options, the same training problems and the same initial backbone; one
 that differs is kept and the experiment stops with an error naming the differences, unless ``--overwrite``. Writes
 ``results.json`` (per-example correctness included), ``report.md`` and ``depth.png`` into ``--out``.
@@ -28,15 +34,12 @@ that differs is kept and the experiment stops with an error naming the differenc
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import platform
 import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from ..data.corpus import Corpus
@@ -49,30 +52,27 @@ from ..eval.depth_tasks import (
     make_depth_problems,
     row_length,
 )
+from ..eval.flops import flop_parameters
 from ..eval.scoring import load_any_model, mode_logits
 from ..model.configuration import has_feedback
-from ..training.config import TrainConfig
 from ..training.device import load_average
 from ..training.distributed import resolve_device
-from ..training.engine import run as run_training
 from ..training.pretrain import PretrainRecipe
 from ..utils.stats import bootstrap_ci
-from .common import (
-    apply_quick,
-    finished,
-    pick_arms,
-    refuse_changed_runs,
-    save_png,
-    write_outputs,
+from .common import accuracy_panels, apply_quick, pick_arms, refuse_changed_runs, write_outputs
+from .synthetic import (
+    CONTROL_ARMS,
+    EPOCHS_ARM,
+    FLOPS_ARM,
+    Arm,
+    arm_config,
+    control_reference,
+    init_backbone,
+    mode_cost,
+    run_flops,
+    train_arm,
+    train_controls,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    name: str
-    description: str
-    depth: int  # x L
-    settings: dict
 
 
 ARMS = (
@@ -81,6 +81,10 @@ ARMS = (
     Arm("fbt-L-glu", "L layers, the default recipe with the paper's pure GLU", 1, dict(fusion="glu")),
     Arm("fbt-L-k3", "L layers, the default recipe with K=3 (+10% K=6)", 1, dict(num_passes=3, deep_passes=6)),
     Arm("baseline-2L", "plain, 2L layers (depth-matched reference)", 2, dict(num_passes=1)),
+    Arm("baseline-L-flops", "plain, L layers, trained for the first FBT arm's training FLOPs on fresh problems", 1,
+        dict(num_passes=1)),
+    Arm("baseline-L-epochs", "plain, L layers, trained for the first FBT arm's training FLOPs re-reading exactly "
+        "baseline-L's problems (--unique-batches --steps), its own full LR schedule", 1, dict(num_passes=1)),
 )
 ARM_BY_NAME = {a.name: a for a in ARMS}
 FBT_MODES = (("standard", 1), ("K=2", 2), ("K=3", 3), ("exact", None))
@@ -105,45 +109,12 @@ class DepthRecipe(PretrainRecipe):
         return sb
 
 
-def init_backbone(args, tokenizer, depth: int) -> str:
-    """A random Llama of ``depth`` x L layers saved once under ``OUT/init`` (every arm of that depth starts here)."""
-    layers = args.layers * depth
-    path = os.path.join(args.out, "init", f"L{layers}-d{args.hidden}-h{args.heads}-s{args.seed}")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                         max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        torch.manual_seed(args.seed)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return path
-
-
-def arm_config(args, arm: Arm, corpus) -> TrainConfig:
-    cfg = TrainConfig(out=os.path.join(args.out, "runs", arm.name), steps=args.steps, seed=args.seed,
-                      init_from=init_backbone(args, corpus.tokenizer, arm.depth), lr=args.lr,
-                      batch_size=args.batch_size, seq_len=corpus.train_rows.shape[1], device=args.device,
-                      progress=False, tensorboard=False, plot=False, save_every=0, **arm.settings)
-    return cfg.validate()
-
-
-def train_arm(args, arm: Arm, corpus, say, recipe=None, tag: str = "depth") -> tuple[TrainConfig, float | None]:
-    """Train ``arm`` (a finished run of the same options and data is reused); ``recipe`` (a
-    :class:`DepthRecipe`-like class, default that) says where the labels are (the state experiment's are dense)."""
-    cfg = arm_config(args, arm, corpus)
-    if not finished(cfg, corpus):  # the same options, the same problems in the same order, the same initial model
-        say(f"{tag}: training {arm.name} ({cfg.steps} steps)")
-        summary = run_training((recipe or DepthRecipe)(cfg, corpus, arm.name), resume=False, overwrite=True)
-        if summary["status"] != "done":
-            raise RuntimeError(f"{arm.name}: training did not finish: {summary.get('message')}")
-    try:
-        with open(os.path.join(cfg.out, "summary.json")) as f:
-            elapsed = json.load(f).get("elapsed")
-    except (OSError, ValueError):
-        elapsed = None
-    return cfg, elapsed
+def training_corpus(args, tokenizer, tasks: list[str], seq_len: int, steps: int, seed: int):
+    """``(corpus, problems)``: ``steps`` x ``--batch-size`` training problems of ``seed``, one row each."""
+    problems = make_depth_problems(tasks, steps * args.batch_size, seed, args.max_k, args.max_think,
+                                   single_cycle=args.pointer_cycle)
+    rows, _ = encode_rows(tokenizer, problems, seq_len)
+    return Corpus(tokenizer, rows, torch.empty(0, seq_len, dtype=torch.long), ["depth-train"], []), problems
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -197,20 +168,29 @@ def cells(test: list[dict]) -> list[tuple[str, int, int]]:
     return sorted({(t["task"], t["think"], t["k"]) for t in test})
 
 
+# the paired references: (result key, arm); the equal-FLOPs controls are references of the FBT arms only
+REFS = (("delta_L", "baseline-L"), ("delta_2L", "baseline-2L"), ("delta_flops", FLOPS_ARM),
+        ("delta_epochs", EPOCHS_ARM))
+
+
 def analyse(res: dict, boot: int = 2000) -> list[dict]:
-    """One row per (arm, mode, task, think): accuracy per k with a 95% CI; paired Δ vs both baselines on k >= 2."""
+    """One row per (arm, mode, task, think): accuracy per k with a 95% CI, the mode's inference FLOPs per token
+    (x the L-layer standard pass); paired Δ vs the baselines (:data:`REFS`) on k >= 2."""
     test = res["test"]
     table = []
-    ref_l, ref_2l = (res["runs"].get(n, {}).get("correct", {}).get("standard") for n in ("baseline-L", "baseline-2L"))
+    refs = [(key, name, res["runs"].get(name, {}).get("correct", {}).get("standard")) for key, name in REFS]
     for arm in res["arms"]:
         for mode, correct in res["runs"][arm]["correct"].items():
             for task, think in sorted({(t["task"], t["think"]) for t in test}):
-                row = {"arm": arm, "mode": mode, "task": task, "think": think, "acc": {}}
+                row = {"arm": arm, "mode": mode, "task": task, "think": think, "acc": {},
+                       "inference_flops": res["runs"][arm]["inference_flops"].get(mode)}
                 for k in sorted({t["k"] for t in test}):
                     idx = [i for i, t in enumerate(test) if (t["task"], t["think"], t["k"]) == (task, think, k)]
                     row["acc"][str(k)] = bootstrap_ci([correct[i] for i in idx], seed=0, n_resamples=boot).as_dict()
                 deep = [i for i, t in enumerate(test) if (t["task"], t["think"]) == (task, think) and t["k"] >= 2]
-                for key, ref in (("delta_L", ref_l), ("delta_2L", ref_2l)):
+                for key, name, ref in refs:
+                    if name in CONTROL_ARMS and not arm.startswith("fbt"):
+                        continue
                     if ref is not None and deep and not (mode == "standard" and ref is correct):
                         row[key] = bootstrap_ci([correct[i] - ref[i] for i in deep], seed=0, n_resamples=boot).as_dict()
                 table.append(row)
@@ -225,18 +205,22 @@ def _ci(d: dict | None, digits: int = 2) -> str:
 
 def tables(res: dict) -> str:
     ks = sorted({t["k"] for t in res["test"]})
+    refs = [(key, name) for key, name in REFS if name in res["arms"]]
     out = []
     for task in dict.fromkeys(r["task"] for r in res["table"]):
-        out += [f"**{task}** (accuracy [95% CI]; chance {res['chance'][task]:.2f})", "",
-                "| arm | mode | think | " + " | ".join(f"k={k}" for k in ks) + " | Δ vs baseline-L, k≥2 | "
-                "Δ vs baseline-2L, k≥2 |", "| --- | --- | ---: |" + " ---: |" * (len(ks) + 2)]
+        out += [f"**{task}** (accuracy [95% CI]; chance {res['chance'][task]:.2f}; inference FLOPs per token x "
+                "the L-layer model's standard pass; Δ paired per problem, FBT arms also vs the equal-FLOPs "
+                "controls)", "",
+                "| arm | mode | think | " + " | ".join(f"k={k}" for k in ks) + " | inference FLOPs | "
+                + " | ".join(f"Δ vs {name}, k≥2" for _, name in refs) + " |",
+                "| --- | --- | ---: |" + " ---: |" * (len(ks) + 1 + len(refs))]
         for r in res["table"]:
             if r["task"] != task or "/" in r["mode"]:
                 continue
             accs = " | ".join(f"{r['acc'][str(k)]['estimate']:.2f} [{r['acc'][str(k)]['low']:.2f}, "
                               f"{r['acc'][str(k)]['high']:.2f}]" for k in ks)
-            out.append(f"| {r['arm']} | {r['mode']} | {r['think']} | {accs} | {_ci(r.get('delta_L'))} | "
-                       f"{_ci(r.get('delta_2L'))} |")
+            out.append(f"| {r['arm']} | {r['mode']} | {r['think']} | {accs} | {r['inference_flops']:.3f} | "
+                       + " | ".join(_ci(r.get(key)) for key, _ in refs) + " |")
         out.append("")
     if res.get("pointer_no_copy"):
         ks = sorted(res["pointer_no_copy"][0]["n"], key=int)
@@ -334,30 +318,18 @@ def interventions(res: dict, boot: int = 2000) -> list[dict]:
 
 
 def plot(res: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(r["task"], r["think"]) for r in res["table"]})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (task, think) in zip(axes[0], panels):
+    panels = []
+    for task, think in sorted({(r["task"], r["think"]) for r in res["table"]}):
+        lines, ks = [], None
         for r in res["table"]:
-            if (r["task"], r["think"]) != (task, think) or r["mode"] not in ("standard", "exact", "K=2"):
-                continue
-            ks = sorted(int(k) for k in r["acc"])
-            style = {"standard": "-", "K=2": "--", "exact": ":"}[r["mode"]]
-            ax.plot(ks, [r["acc"][str(k)]["estimate"] for k in ks], style, marker="o", ms=3,
-                    color=f"C{res['arms'].index(r['arm'])}", label=f"{r['arm']} {r['mode']}")
-            ax.set_xticks(ks)
-        ax.axhline(res["chance"][task], color="grey", lw=0.7)
-        ax.set_title(f"{task}, think={think}", fontsize=9)
-        ax.set_xlabel("k (hops / steps)")
-        ax.set_ylim(0, 1.02)
-    axes[0][0].set_ylabel("accuracy")
-    axes[0][-1].legend(fontsize=6)
-    fig.tight_layout()
-    return save_png(fig, path)
+            if (r["task"], r["think"]) == (task, think) and r["mode"] in ("standard", "exact", "K=2"):
+                ks = sorted(int(k) for k in r["acc"])
+                lines.append((ks, [r["acc"][str(k)]["estimate"] for k in ks],
+                              {"standard": "-", "K=2": "--", "exact": ":"}[r["mode"]],
+                              f"C{res['arms'].index(r['arm'])}", f"{r['arm']} {r['mode']}"))
+        panels.append({"title": f"{task}, think={think}", "chance": res["chance"][task], "lines": lines,
+                       "xticks": ks, "marker": "o"})
+    return accuracy_panels(panels, path, "k (hops / steps)", height=3.6)
 
 
 # ---------------------------------------------------------------------------------------------- command
@@ -369,16 +341,14 @@ def run_depth(args) -> dict:
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     names = pick_arms(args.arms, ARM_BY_NAME, [a.name for a in ARMS])
+    control_reference(names)  # controls without an FBT arm: refused before anything trains
     for name in ("steps", "batch_size", "test_per_cell", "layers", "max_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     t0, load0 = time.perf_counter(), load_average()
     tokenizer = depth_tokenizer()
     seq_len = row_length(args.max_k, args.max_think, tasks)
-    train_p = make_depth_problems(tasks, args.steps * args.batch_size, args.seed, args.max_k, args.max_think,
-                                  single_cycle=args.pointer_cycle)
-    rows, _ = encode_rows(tokenizer, train_p, seq_len)
-    corpus = Corpus(tokenizer, rows, torch.empty(0, seq_len, dtype=torch.long), ["depth-train"], [])
+    corpus, train_p = training_corpus(args, tokenizer, tasks, seq_len, args.steps, args.seed)
     test_p = [p for task in tasks for think in sorted({0, args.max_think}) for k in range(1, args.max_k + 1)
               for p in make_depth_problems([task], args.test_per_cell, args.seed + 1_000_003 * (1 + k),
                                            args.max_k, ks=[k], thinks=[think], single_cycle=args.pointer_cycle)]
@@ -394,15 +364,27 @@ def run_depth(args) -> dict:
            "chance": {"pointer": 1 / 6, "compose": 1 / 6, "modsum": 1 / 7}, "runs": {}}
     device = str(resolve_device(args.device))
     test_rows, test_pos = test_rows.to(device), test_pos.to(device)
-    refuse_changed_runs([arm_config(args, ARM_BY_NAME[n], corpus) for n in names], corpus, args.overwrite)
+    plain = [n for n in names if n not in CONTROL_ARMS]
+    refuse_changed_runs([arm_config(args, ARM_BY_NAME[n], corpus) for n in plain], corpus, args.overwrite)
+    trained = {}
+    for name in plain:
+        cfg, elapsed = train_arm(args, ARM_BY_NAME[name], corpus, say, DepthRecipe, "depth")
+        trained[name] = (cfg, elapsed, run_flops(cfg))
+    train_controls(args, ARM_BY_NAME, names, trained, corpus,
+                   lambda a, steps: training_corpus(a, tokenizer, tasks, seq_len, steps, a.seed + 7)[0], say,
+                   DepthRecipe, "depth")
+    ref_fp = flop_parameters(load_any_model(init_backbone(args, tokenizer, 1))[0])
     for name in names:
-        arm = ARM_BY_NAME[name]
-        cfg, elapsed = train_arm(args, arm, corpus, say)
+        cfg, elapsed, flops = trained[name]
         model = load_any_model(cfg.out, device=device)[0].eval()
         t = time.perf_counter()
-        res["runs"][name] = {"layers": args.layers * arm.depth, "train_seconds": elapsed,
-                             "parameters": sum(p.numel() for p in model.parameters()),
-                             "tokens": args.steps * args.batch_size * seq_len,
+        modes = [(key, "passes" if key.startswith("K=") else key, k or 1) for key, k in FBT_MODES
+                 if has_feedback(model) or key == "standard"]
+        res["runs"][name] = {"layers": args.layers * ARM_BY_NAME[name].depth, "train_seconds": elapsed,
+                             "parameters": sum(p.numel() for p in model.parameters()), "steps": cfg.steps,
+                             "tokens": cfg.steps * cfg.batch_size * seq_len, "train_flops": flops,
+                             "inference_flops": {key: mode_cost(flop_parameters(model), ref_fp, seq_len, mode, k)
+                                                 for key, mode, k in modes},
                              "correct": evaluate_arm(model, test_rows, test_pos),
                              "eval_seconds": time.perf_counter() - t}
     res["table"], res["think_effect"], res["interventions"] = analyse(res), think_effect(res), interventions(res)
@@ -422,17 +404,21 @@ def report(res: dict, text: str) -> str:
     n_seen = sum(t["in_training"] for t in res["test"])
     lines = ["# fullband experiment depth", "",
              f"Tasks {s['tasks']}, k = 1..{s['max_k']}, 0..{s['max_think']} think positions in training; every arm "
-             f"{s['steps']} steps x {s['batch_size']} rows x {s['seq_len']} tokens (equal tokens), loss on the answer "
+             f"{s['steps']} steps x {s['batch_size']} rows x {s['seq_len']} tokens (equal tokens; the equal-FLOPs "
+             "controls more steps, baseline-L-epochs on baseline-L's rows), loss on the answer "
              f"only, Llama d{s['hidden']} with {s['heads']} heads, L = {s['layers']}, seed {s['seed']}, peak LR "
              f"{s['lr']}. Test: {s['test_per_cell']} problems per (task, k, think) from another seed "
              f"({n_seen} of {len(res['test'])} questions also occur in training: small-k composition has few "
              f"distinct questions). Training {train_s:.0f}s summed over the runs; this invocation "
              f"{res['seconds']:.0f}s wall (finished runs are reused), load average {res['load_average'][0]} at the "
              f"start and {res['load_average'][1]} at the end, {res['threads']} thread(s).", "", "Arms:", ""]
-    lines += [f"* `{n}` ({res['runs'][n]['layers']} layers, {res['runs'][n]['parameters']:,} parameters): {d}"
+    lines += [f"* `{n}` ({res['runs'][n]['layers']} layers, {res['runs'][n]['parameters']:,} parameters, "
+              f"{res['runs'][n]['steps']} steps, {res['runs'][n]['train_flops']:.3g} training FLOPs): {d}"
               for n, d in res["arm_descriptions"].items()]
     lines += ["", "Modes: `standard` no feedback; `K=2` / `K=3` teacher-forced passes; `exact` the token-by-token "
-              "recurrence; `exact/zero`, `exact/other-row`, `exact/zero-at-answer`: exact with the fed-back state "
+              "recurrence (T sequential one-token calls); inference FLOPs per token counted from what each mode runs "
+              "(`fullband.eval.flops.inference_flops`), relative to the L-layer model's standard pass; `exact/zero`, "
+              "`exact/other-row`, `exact/zero-at-answer`: exact with the fed-back state "
               "zeroed, taken from another problem, or zeroed only where it enters the `=` position.", "", text,
               "![depth](depth.png)", ""]
     return "\n".join(lines)

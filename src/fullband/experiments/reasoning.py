@@ -1,18 +1,21 @@
 """``fullband experiment reasoning``: reasoning at the edge of the baseline, with traces of mixed verbosity.
 
-    Per seed, three models trained on the same synthetic problems in the same order (:mod:`fullband.eval.problems`;
-    by default multi-step addition and subtraction at a difficulty where the baseline with chain of thought is
-    right on roughly half of the held-out problems): ``baseline`` (plain), ``FBT`` (``fullband train``'s recipe,
-    sharing the baseline's first K = 1 steps) on equal tokens, and ``baseline-flops``, the baseline trained for as
-    many training FLOPs as FBT (every pass counted). Each training problem is written in one verbosity drawn at
-    random (``--verbosity-mix``): ``full`` (every step), ``partial`` (about half of the steps written, the others
-    done silently) or ``direct`` (the answer only), so a model can choose how much to write.
+    Per seed, four models trained on the same synthetic problems (:mod:`fullband.eval.problems`; by default
+    multi-step addition and subtraction at a difficulty where the baseline with chain of thought is right on roughly
+    half of the held-out problems): ``baseline`` (plain), ``FBT`` (``fullband train``'s recipe, sharing the
+    baseline's first K = 1 steps) on equal tokens in the same order, ``baseline-flops``, the baseline trained for as
+    many training FLOPs as FBT (every pass counted, reading further), and ``baseline-epochs``, as long, re-reading
+    exactly the rows FBT read (``--unique-batches``: equal unique tokens and FLOPs; ``--no-epochs-baseline`` skips
+    it). Each training problem is written in one verbosity drawn at random (``--verbosity-mix``): ``full`` (every
+    step), ``partial`` (about half of the steps written, the others done silently) or ``direct`` (the answer only),
+    so a model can choose how much to write.
     Held-out problems (none of whose questions occur in training) are decoded greedily by every model in every
     decode mode it has (FBT: standard, soft, fused, exact), once letting the model choose (``free``) and once per
     forced verbosity (the prompt followed by that verbosity's opening tokens).
-    Reported per model, mode and verbosity: accuracy (math-verify), mean trace length (tokens before ``####``) and,
-    for ``free``, which verbosity the model chose; paired against the baseline at equal tokens and against
-    ``baseline-flops`` at equal FLOPs, over seeds that decode the same problems (the problem is the unit): the exact
+    Reported per model, mode and verbosity: accuracy (math-verify), mean trace length (tokens before ``####``),
+    for ``free`` which verbosity the model chose, and the decode FLOPs relative to ``standard`` (:func:`decode_flops`);
+    paired against the baseline at equal tokens, ``baseline-flops`` at equal FLOPs and ``baseline-epochs`` at equal
+    unique tokens and FLOPs, over seeds that decode the same problems (the problem is the unit): the exact
     sign-flip test of the per-problem correctness differences summed over seeds (one seed: exact McNemar), McNemar
     per seed, and percentile-bootstrap 95% CIs of the accuracy and trace-length differences that draw one set of
     problems per resample for every seed (problems resampled, not training runs). Finished runs of the same
@@ -35,8 +38,9 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..data.corpus import Corpus, Document, pack, tokenize_documents, train_tokenizer
-from ..eval.problems import ANSWER_MARKER, VERBOSITIES, format_example, make_problems
-from ..eval.reasoning import evaluate_reasoning, summarize
+from ..eval.flops import flop_parameters, inference_flops
+from ..eval.problems import ANSWER_MARKER, VERBOSITIES, format_example, format_prompt, make_problems
+from ..eval.reasoning import evaluate_reasoning, special_bos, style_openings, summarize
 from ..model.generation import MODES
 from ..model.modeling import load_model
 from ..training.checkpoint import evaluation_key
@@ -52,9 +56,11 @@ from .common import (
     refuse_changed_runs,
     say_for,
     steps_for,
+    train_or_reuse,
     train_pair,
     write_outputs,
 )
+from .reasoning_report import BASELINE, EPOCHS, FBT, FLOPS, KINDS, markdown, tables
 
 RS_DEFAULTS = dict(out=os.path.join("runs", "experiments", "reasoning"), preset="tiny", steps=1200, batch_size=16,
                    seq_len=128, vocab_size=300, task="arithmetic", train_problems=20000, test_problems=200,
@@ -66,7 +72,6 @@ RS_QUICK = dict(preset="micro", steps=6, batch_size=4, seq_len=64, train_problem
 # 0.08 (2-3 operations, 600 steps), 0.045 (2-4, 600), 0.075 (3-4, 600) and 0.505 (3-4, 1,200); the README has them.
 TASK_DEFAULTS = {"arithmetic": {"num_ops": (3, 4), "ops": "+-"}}
 STYLES = ("free",) + VERBOSITIES
-BASELINE, FBT, FLOPS = "baseline", "FBT", "baseline-flops"
 
 # ============================================================================================== data
 
@@ -161,7 +166,9 @@ def build_data(args, options: dict, mix: dict, say) -> tuple:
 
 
 def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
-    """The three runs of one seed: baseline and FBT on equal tokens, the baseline on FBT's training FLOPs."""
+    """The runs of one seed: baseline and FBT on equal tokens, the baseline on FBT's training FLOPs reading further
+    (``baseline-flops``) and, as long, re-reading exactly the rows of FBT's ``steps`` batches (``baseline-epochs``,
+    ``--unique-batches``: the same unique tokens, its own full LR schedule with the same warm-up steps)."""
     root = os.path.join(args.out, f"seed{seed}")
     fbt = base_config(args, os.path.join(root, "fbt"), steps, train_file, seed=seed)
     base = plain_config(dataclasses.replace(fbt, out=os.path.join(root, "baseline")))
@@ -172,9 +179,12 @@ def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
     warm = round(base.warmup_fraction * steps)  # the same warm-up steps: the runs share a path until the decay
     flops = dataclasses.replace(base, out=os.path.join(root, "baseline-flops"), steps=flops_steps, eval_every=flops_steps,
                                 warmup_fraction=warm / flops_steps)
-    cfgs = {BASELINE: base, FBT: fbt, FLOPS: flops}
+    epochs = dataclasses.replace(flops, out=os.path.join(root, "baseline-epochs"), unique_batches=steps)
+    cfgs = {BASELINE: base, FBT: fbt, FLOPS: flops, EPOCHS: epochs}
     if args.no_flops_baseline:
         del cfgs[FLOPS]
+    if args.no_epochs_baseline:
+        del cfgs[EPOCHS]
     for c in cfgs.values():
         c.validate()
     return cfgs
@@ -182,13 +192,16 @@ def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
 
 def train_seed(args, cfgs: dict, corpus, say) -> float:
     """Train the seed's runs unless all are finished (finished runs of the same configuration are reused); the
-    seconds spent. ``baseline-flops`` branches off the baseline where their LR schedules part."""
+    seconds spent. ``baseline-flops`` branches off the baseline where their LR schedules part; ``baseline-epochs``
+    reads other batches from its first step on and is trained on its own."""
     if all(finished(c, corpus) for c in cfgs.values()):
         return 0.0
     say(f"reasoning: training {', '.join(c.out for c in cfgs.values())}")
     t = time.perf_counter()
     train_pair(cfgs[BASELINE], cfgs[FBT], corpus, share=not args.no_share_prefix, longer_cfg=cfgs.get(FLOPS),
                overwrite=args.overwrite)
+    if EPOCHS in cfgs:
+        train_or_reuse(cfgs[EPOCHS], corpus, name="baseline-epochs (FBT's unique rows for its training FLOPs)")
     return time.perf_counter() - t
 
 
@@ -228,6 +241,53 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
     return runs
 
 
+# ============================================================================================== decode compute
+
+
+def decode_flops(mode: str, fp: dict, prompt_tokens: int, new_tokens: int) -> float:
+    """Forward FLOPs of one greedy decode in ``mode`` (:mod:`fullband.model.generation`) of ``new_tokens`` tokens
+    after a ``prompt_tokens`` prompt, from :func:`fullband.eval.flops.inference_flops`'s costs (``fp``:
+    :func:`~fullband.eval.flops.flop_parameters`): ``soft`` is its continuation scoring of a row of prompt + new
+    tokens (the prompt in one plain pass with logits at its last position, then every new token but the last fed,
+    fused, one step each); ``standard`` the same without the fusions; ``fused`` adds one fused pass over the prompt;
+    ``exact`` feeds the prompt token by token (logits at every position) and then the new tokens: the recurrence
+    over the prompt and all new tokens but the last, i.e. ``exact`` scoring of a row one token shorter."""
+    P, G = int(prompt_tokens), max(1, int(new_tokens))
+    if mode == "exact":
+        return inference_flops("exact", fp, P + G - 1)["flops"]
+    if mode == "standard":
+        return inference_flops("soft", {**fp, "fusion_params": 0}, P + G, P)["flops"]
+    return inference_flops(mode, fp, P + G, P, prefill_passes=1)["flops"]
+
+
+def prompt_lengths(tokenizer, problems, styles: list[str], cot: bool) -> dict[str, list[tuple[int, int]]]:
+    """Per style, ``(prompt tokens, forced opening tokens)`` of each problem as
+    :func:`fullband.eval.reasoning.evaluate_reasoning` decodes it: the tokenized prompt with its BOS, and for a
+    forced verbosity its opening too (which the records' ``generated_tokens`` count)."""
+    texts = [format_prompt(p, (), cot) for p in problems]
+    out = {"free": [(len(tokenizer(t)["input_ids"]), 0) for t in texts]}
+    forced = [s for s in styles if s != "free"]
+    if forced:
+        bos = len(special_bos(tokenizer))
+        plain = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        openings = [style_openings(tokenizer, p) for p in problems]
+        out |= {s: [(bos + n + len(o[s]), len(o[s])) for n, o in zip(plain, openings)] for s in forced}
+    return out
+
+
+def decode_cost(run: dict, fp: dict, prompts: list[tuple[int, int]]) -> dict:
+    """A decode run's forward FLOPs (:func:`decode_flops`: each problem's prompt and the tokens it generated up to
+    its own stop, EOS included), those of decoding the same prompts and lengths in ``standard``, and the tokens
+    generated (``prompts``: :func:`prompt_lengths` of the run's style)."""
+    flops = standard = generated = 0.0
+    for rec, (P, opening) in zip(run["records"], prompts, strict=True):
+        G = rec["generated_tokens"] - opening + int(bool(rec["hit_eos"]))
+        flops += decode_flops(run["mode"], fp, P, G)
+        standard += decode_flops("standard", fp, P, G)
+        generated += max(1, G)
+    return {"flops": flops, "standard_flops": standard, "generated_tokens": generated}
+
+
 # ============================================================================================== statistics
 
 
@@ -262,24 +322,29 @@ def compare(a: list[dict], b: list[dict], seed: int, n_resamples: int) -> dict:
 
 
 def table_rows(runs: list[dict]) -> list[dict]:
-    """One row per (model, mode, style): accuracy and trace length pooled over seeds, per seed, chosen verbosity."""
+    """One row per (model, mode, style): accuracy and trace length pooled over seeds, per seed, chosen verbosity,
+    and the decode FLOPs over those of ``standard`` decoding the same prompts and lengths (a run's ``decode``:
+    :func:`decode_cost`), with their sums."""
     rows = []
     for key in dict.fromkeys((r["model"], r["mode"], r["style"]) for r in runs):
         group = [r for r in runs if (r["model"], r["mode"], r["style"]) == key]
         recs = [x for r in group for x in r["records"]]
         s = summarize(recs)
         chosen = {v: sum(1 for x in recs if x.get("verbosity") == v) / len(recs) for v in (*VERBOSITIES, "other")}
+        cost = {k: sum(r["decode"][k] for r in group) for k in ("flops", "standard_flops", "generated_tokens")}
         rows.append({"model": key[0], "mode": key[1], "style": key[2], "accuracy": s["accuracy"],
                      "mean_trace_tokens": s["mean_trace_tokens"], "marker_rate": s["marker_rate"],
                      "accuracy_per_seed": [summarize(r["records"])["accuracy"] for r in group],
                      "trace_per_seed": [summarize(r["records"])["mean_trace_tokens"] for r in group],
-                     "chosen": chosen, "n": len(recs)})
+                     "chosen": chosen, "n": len(recs), "decode_flops": cost["flops"] / cost["standard_flops"],
+                     "decode_flops_per_token": cost["flops"] / cost["generated_tokens"], "decode_sums": cost})
     return rows
 
 
 def comparisons(runs: list[dict], seeds: list[int], args) -> list[dict]:
-    """FBT (each mode) against the baseline (equal tokens) and baseline-flops (equal FLOPs), and against its own
-    standard mode; per style."""
+    """FBT (each mode) against the baseline (equal tokens), baseline-flops (equal FLOPs), baseline-epochs (equal
+    unique tokens and FLOPs), and against its own standard mode; each longer baseline against the baseline; per
+    style."""
     def pick(model, mode, style):
         got = [r for s in seeds for r in runs if (r["seed"], r["model"], r["mode"], r["style"]) == (s, model, mode, style)]
         return got if len(got) == len(seeds) else None
@@ -290,108 +355,19 @@ def comparisons(runs: list[dict], seeds: list[int], args) -> list[dict]:
     for style in styles:
         for mode in modes:
             a = pick(FBT, mode, style)
-            for ref, ref_mode, kind in ((BASELINE, "standard", "equal tokens"), (FLOPS, "standard", "equal FLOPs"),
-                                        (FBT, "standard", "own standard mode")):
+            for kind, ref in (*KINDS, ("own standard mode", FBT)):
+                ref_mode = "standard"
                 b = pick(ref, ref_mode, style)
                 if a is None or b is None or (ref == FBT and mode == "standard"):
                     continue
                 out.append({"a": f"{FBT}/{mode}", "b": f"{ref}/{ref_mode}", "style": style, "kind": kind,
                             **compare(a, b, args.seed, args.bootstrap)})
-        if FLOPS in {r["model"] for r in runs}:
-            a, b = pick(FLOPS, "standard", style), pick(BASELINE, "standard", style)
+        for longer in (FLOPS, EPOCHS):
+            a, b = pick(longer, "standard", style), pick(BASELINE, "standard", style)
             if a and b:
-                out.append({"a": f"{FLOPS}/standard", "b": f"{BASELINE}/standard", "style": style,
+                out.append({"a": f"{longer}/standard", "b": f"{BASELINE}/standard", "style": style,
                             "kind": "more training (reference)", **compare(a, b, args.seed, args.bootstrap)})
     return out
-
-
-# ============================================================================================== report
-
-
-def _ci(c: dict | None, digits: int = 3) -> str:
-    if c is None:
-        return "–"
-    return f"{c['estimate']:+.{digits}f} [{c['low']:+.{digits}f}, {c['high']:+.{digits}f}]"
-
-
-def tables(res: dict, full: bool = False) -> str:
-    """The accuracy / trace table, then FBT's paired differences against both baselines (``full``: also against its
-    own standard mode and baseline-flops against the baseline, each with its discordant counts per seed)."""
-    rows = res["table"]
-    styles = list(dict.fromkeys(r["style"] for r in rows))
-    by = {(r["model"], r["mode"], r["style"]): r for r in rows}
-    head, sep = "| model | mode |", "| --- | --- |"
-    for s in styles:
-        head += f" {s}: accuracy (per seed) | {s}: trace |"
-        sep += " ---: | ---: |"
-    if "free" in styles:
-        head += " free: chose full / partial / direct |"
-        sep += " ---: |"
-    lines = [head, sep]
-    for model, mode in dict.fromkeys((r["model"], r["mode"]) for r in rows):
-        line = f"| {model} | {mode} |"
-        for s in styles:
-            r = by[(model, mode, s)]
-            per = " / ".join(f"{x:.2f}" for x in r["accuracy_per_seed"])
-            line += f" {r['accuracy']:.3f} ({per}) | {r['mean_trace_tokens']:.1f} |"
-        if "free" in styles:
-            c = by[(model, mode, "free")]["chosen"]
-            line += f" {c['full']:.2f} / {c['partial']:.2f} / {c['direct']:.2f} |"
-        lines.append(line)
-    comps = res["comparisons"]
-    kinds = ["equal tokens", "equal FLOPs"]
-    main = {(c["a"], c["style"], c["kind"]): c for c in comps}
-    present = [k for k in kinds if any(c["kind"] == k for c in comps)]
-    if present:
-        head = "| FBT mode | verbosity |" + "".join(f" Δ accuracy vs {'baseline' if k == kinds[0] else FLOPS} ({k}) "
-                                                      "[95% CI], p |" for k in present)
-        head += "".join(f" Δ trace vs {'baseline' if k == kinds[0] else FLOPS} [95% CI] |" for k in present)
-        lines += ["", head, "| --- | --- |" + " ---: |" * (2 * len(present))]
-        for a, style in dict.fromkeys((c["a"], c["style"]) for c in comps if c["kind"] in present):
-            cs = [main.get((a, style, k)) for k in present]
-            lines.append(f"| {a.split('/', 1)[1]} | {style} |"
-                         + "".join(f" {_ci(c['accuracy'])}, p={c['p']:.2g} |" for c in cs)
-                         + "".join(f" {_ci(c['trace'], 1)} |" for c in cs))
-    if full:
-        lines += ["", "| A | B | verbosity | Δ accuracy [95% CI] | p (sign-flip) | A only / B only per seed | "
-                      "McNemar p per seed | Δ trace [95% CI] | Δ trace, both right |",
-                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for c in comps:
-            counts = ", ".join(f"{x} / {y}" for x, y in zip(c["a_only_per_seed"], c["b_only_per_seed"]))
-            per_seed_p = ", ".join(f"{q:.3g}" for q in c["mcnemar_p_per_seed"])
-            lines.append(f"| {c['a']} | {c['b']} ({c['kind']}) | {c['style']} | {_ci(c['accuracy'])} | "
-                         f"{c['p']:.3g} | {counts} | {per_seed_p} | {_ci(c['trace'], 1)} | "
-                         f"{_ci(c['trace_both_correct'], 1)} |")
-    return "\n".join(lines)
-
-
-def markdown(res: dict, text: str) -> str:
-    tr, cfg = res["training"], res["config"]
-    mix = ", ".join(f"{v} {w:.0%}" for v, w in cfg["verbosity_mix"].items())
-    lines = [
-        "# fullband experiment reasoning", "",
-        f"Task `{cfg['task']}` {cfg['task_options']}; {cfg['train_problems']:,} training problems, each written in "
-        f"one verbosity drawn at random ({mix}; drawn: {cfg['verbosity_drawn']}); {cfg['num_problems']} held-out "
-        f"problems ({cfg['test_candidates_dropped_as_training_duplicates']} candidates whose question occurs in "
-        f"training dropped), greedy, at most {cfg['max_new_tokens']} new tokens. Preset `{tr['preset']}`, "
-        f"{tr['batch_size']} x {tr['seq_len']} tokens a step; `{BASELINE}` and `{FBT}` {tr['steps']} steps "
-        f"({tr['tokens_per_model']:,} tokens), `{FLOPS}` {tr['flops_steps']} steps (FBT's training FLOPs, every "
-        f"pass counted); seeds {res['seeds']} (init and data order; the same problems). FBT recipe: "
-        f"{tr['recipe']}.", "",
-        "Verbosity: `free` = the model chooses (greedy); `full` / `partial` / `direct` = the prompt followed by "
-        "that verbosity's opening tokens (counted in the trace). Trace = tokens before `####`. Accuracy pooled over "
-        "seeds (per seed in brackets). Δ: A − B, the mean over seeds of the mean over the same problems; every seed "
-        "decodes the same problems, so the problem is the unit: p is the exact two-sided sign-flip test of the "
-        "per-problem differences summed over seeds (each problem counted once; with one seed it is exact McNemar), "
-        "next to exact McNemar on each seed's discordant pairs (A only / B only); the percentile-bootstrap 95% CIs "
-        "draw one set of problems per resample and apply it to every seed (problems resampled, not training runs).",
-        "",
-        text, "",
-        f"Wall time {res['seconds']:.0f}s (training {res['train_seconds']:.0f}s in this invocation, decoding "
-        f"{res['decode_seconds']:.0f}s summed, finished runs and decodes reused); load average "
-        f"{res['load_average'][0]} at the start, {res['load_average'][1]} at the end; {res['threads']} thread(s), "
-        f"torch {res['torch']}.", ""]
-    return "\n".join(lines)
 
 
 # ============================================================================================== run
@@ -425,6 +401,10 @@ def run_reasoning_experiment(args) -> dict:
         cfgs = configs[seed]
         train_seconds += train_seed(args, cfgs, corpus, say)
         runs += decode_seed(args, cfgs, tokenizer, test_p, styles, fbt_modes, say)
+    prompts = prompt_lengths(tokenizer, test_p, styles, not args.no_cot)
+    fps = {label: flop_parameters(load_model(cfg.out)) for label, cfg in configs[seeds[0]].items()}
+    for r in runs:  # every seed's models have the first seed's shapes
+        r["decode"] = decode_cost(r, fps[r["model"]], prompts[r["style"]])
     fbt_cfg = configs[seeds[0]][FBT]
     res = {
         "experiment": "reasoning", "seeds": seeds,
@@ -436,6 +416,7 @@ def run_reasoning_experiment(args) -> dict:
                    "test_candidates_dropped_as_training_duplicates": removed},
         "training": {"steps": steps, "tokens_per_model": steps * fbt_cfg.batch_size * fbt_cfg.seq_len,
                      "flops_steps": configs[seeds[0]][FLOPS].steps if FLOPS in configs[seeds[0]] else None,
+                     "epochs_steps": configs[seeds[0]][EPOCHS].steps if EPOCHS in configs[seeds[0]] else None,
                      "train_tokens_available": int(corpus.train_rows.numel()), "preset": fbt_cfg.preset,
                      "batch_size": fbt_cfg.batch_size, "seq_len": fbt_cfg.seq_len, "vocab_size": len(tokenizer),
                      "lr": fbt_cfg.resolved_lr(),

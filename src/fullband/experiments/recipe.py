@@ -23,13 +23,19 @@ the arm says:
   against plain models of the same steps, schedule and tying (``baseline-tied``, ``baseline-scratch``) and, at
   equal FLOPs, against the same plain models trained ``--scratch-flops-multiplier`` times longer
   (``baseline-tied-flops``, ``baseline-scratch-flops``). Their FLOPs count the whole run, the branched arms' only
-  the branch (the trunk is shared): compare each family with its own baselines.
+  the branch (the trunk is shared): compare each family with its own baselines;
+* at equal unique tokens *and* equal FLOPs: ``baseline-epochs``, ``baseline-scratch-epochs``,
+  ``baseline-tied-epochs``, each as long as its ``-flops`` twin but re-reading exactly the batches its plain arm
+  reads (``--unique-batches`` that arm's steps from the same ``--data-offset``: the branch's batches after the
+  trunk, or the scratch run's from batch 0), in a fresh seeded order each epoch, its own full LR schedule. Every
+  FLOP-matched baseline is added with the plain arm it controls and is no table row of its own.
 
 Every run is evaluated on the same held-out rows (documents never trained on) in every mode: ``standard``,
 K = 2 and K = 3 teacher-forced passes, ``exact`` (the token-by-token recurrence), and decoding-style ``soft`` and
 ``fused`` scoring of each row's continuation after a ``--prompt-tokens`` prompt; all modes score the same
 tokens (each row's positions after the prompt). Reported per arm and mode: the loss (mean over seeds, and per
-seed), the paired difference to the baseline at equal tokens and at equal training FLOPs (percentile bootstrap
+seed), its inference FLOPs relative to ``standard``, the paired difference to the baseline at equal tokens, at
+equal training FLOPs and at equal unique tokens and training FLOPs (percentile bootstrap
 over rows, per seed; the pooled CI resamples rows within each seed: each seed's held-out rows come from its own
 seeded validation split, so the seeds share no rows), and the switch-on diagnostics (pass-2 minus
 pass-1 loss and gradient norm over the first feedback steps). Writes ``results.json``, ``report.md`` and
@@ -81,6 +87,7 @@ _PAPER_K = dict(num_passes=2, deep_passes=4, deep_fraction=0.1)
 _SCRATCH = dict(lr_schedule="wsd", warmup_fraction=0.05, decay_fraction=0.2, min_lr_ratio=0.1, feedback_start=0.0)
 _PAPER_MIX = dict(num_passes=3, deep_fraction=0.0, pass_mix="1:0.75,2:0.22,3:0.03")  # the paper's per-batch mix
 _K3_ALL = dict(num_passes=3, deep_fraction=0.0)
+_PAPER_Z = dict(z_loss=1e-4)  # the paper family (tied, and its plain reference) trains with PaLM's z-loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Arm:
     default: bool = True
     scratch: bool = False  # trained from scratch for --trunk-steps + --branch-steps (not branched off the trunk)
     flops_of: str | None = None  # a FLOP-matched baseline: of this plain arm, x --(scratch-)flops-multiplier steps
+    epochs: bool = False  # a FLOP-matched baseline on exactly its plain arm's unique rows (--unique-batches)
 
 
 ARMS: tuple[Arm, ...] = (
@@ -128,22 +136,33 @@ def _flops_arm(of: Arm, multiplier: str) -> Arm:
                of.settings, of.lr_scale, reference=of.name, default=False, scratch=of.scratch, flops_of=of.name)
 
 
+def _epochs_arm(of: Arm, multiplier: str) -> Arm:
+    return Arm(f"{of.name}-epochs", f"{of.name} trained {multiplier} times as many steps on exactly its own unique "
+                                    "rows, re-read epoch after epoch (the equal-unique-tokens-and-FLOPs reference)",
+               of.settings, of.lr_scale, reference=of.name, default=False, scratch=of.scratch, flops_of=of.name,
+               epochs=True)
+
+
 ARMS += (  # from scratch, trunk + branch steps: the paper's recipe and its plain references
     _scratch("baseline-scratch", "plain, untied, from scratch for trunk + branch steps, WSD (cooldown over the last "
                                  "20%)", "baseline-scratch", False, num_passes=1),
-    _scratch("baseline-tied", "baseline-scratch with tied input/output embeddings", "baseline-tied", True,
-             num_passes=1),
-    _scratch("paper", "the paper's recipe from scratch: pure GLU, tied embeddings, K per batch 75% 1 / 22% 2 / 3% 3 "
-                      "from step 0, WSD", "baseline-tied", True, fusion="glu", **_PAPER_MIX),
-    _scratch("paper-k3", "paper with K=3 on every batch", "baseline-tied", True, fusion="glu", **_K3_ALL),
+    _scratch("baseline-tied", "baseline-scratch with tied input/output embeddings and z-loss 1e-4", "baseline-tied",
+             True, num_passes=1, **_PAPER_Z),
+    _scratch("paper", "the paper's recipe from scratch: pure GLU, tied embeddings, z-loss 1e-4, K per batch 75% 1 / "
+                      "22% 2 / 3% 3 from step 0, WSD", "baseline-tied", True, fusion="glu", **_PAPER_MIX, **_PAPER_Z),
+    _scratch("paper-k3", "paper with K=3 on every batch", "baseline-tied", True, fusion="glu", **_K3_ALL,
+             **_PAPER_Z),
     _scratch("residual-k3-all", "paper-k3 with the residual entry u = e + GLU(h, e) and an untied head",
              "baseline-scratch", False, fusion="residual", **_K3_ALL),
 )
-ARMS += tuple(_flops_arm(next(a for a in ARMS if a.name == name), mult) for name, mult in (
-    ("baseline", "--flops-multiplier"), ("baseline-scratch", "--scratch-flops-multiplier"),
-    ("baseline-tied", "--scratch-flops-multiplier")))
+_CONTROLLED = (("baseline", "--flops-multiplier"), ("baseline-scratch", "--scratch-flops-multiplier"),
+               ("baseline-tied", "--scratch-flops-multiplier"))
+ARMS += tuple(make(next(a for a in ARMS if a.name == name), mult)
+              for make in (_flops_arm, _epochs_arm) for name, mult in _CONTROLLED)
 ARM_BY_NAME = {a.name: a for a in ARMS}
-FLOPS_OF = {a.flops_of: a.name for a in ARMS if a.flops_of}  # equal-token baseline -> its FLOP-matched baseline
+# equal-token baseline -> its FLOP-matched baseline reading further (more unique tokens) / re-reading its own rows
+FLOPS_OF = {a.flops_of: a.name for a in ARMS if a.flops_of and not a.epochs}
+EPOCHS_OF = {a.flops_of: a.name for a in ARMS if a.epochs}
 FBT_MODES = (("standard", 1), ("passes", 2), ("passes", 3), ("exact", None), ("soft", None), ("fused", None))
 
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "recipe"), preset="tiny", trunk_steps=250, branch_steps=100,
@@ -196,19 +215,25 @@ def switch_on_stats(records: list[dict], first: int = 10) -> dict | None:
 def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
     """Per-row losses of a finished run in every mode it has (cached in ``OUT/recipe_eval.json``, keyed by the
     model scored, :func:`fullband.training.checkpoint.evaluation_key`, and the rows and prompt it was scored on),
-    its training FLOPs and its switch-on statistics."""
+    its training FLOPs, its switch-on statistics and the parameter counts its inference FLOPs need
+    (:func:`fullband.eval.flops.flop_parameters`; an evaluation cached before they were kept loads the model for
+    them)."""
     key = evaluation_key(cfg.out, rows_sha256=rows_fingerprint(rows), prompt_tokens=args.prompt_tokens)
     path = os.path.join(cfg.out, "recipe_eval.json")
     try:
         with open(path) as f:
             cached = json.load(f)
         if cached.get("key") == key:
-            return cached["result"]
+            result = cached["result"]
+            if "flop_parameters" not in result:
+                result["flop_parameters"] = flop_parameters(load_any_model(cfg.out, device="cpu")[0])
+            return result
     except (OSError, ValueError):
         pass
     model = load_any_model(cfg.out, device=args.device_resolved)[0]
     records = read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
-    fl = training_flops(records, cfg.batch_size * cfg.seq_len, cfg.seq_len, flop_parameters(model))
+    fp = flop_parameters(model)
+    fl = training_flops(records, cfg.batch_size * cfg.seq_len, cfg.seq_len, fp)
     feedback = has_feedback(model)
     t = time.perf_counter()
     losses = {mode_key(mode, k): row_losses(model, rows, mode, num_passes=k or 1,
@@ -217,7 +242,7 @@ def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
     result = {"steps": cfg.steps, "flops": fl["flops"], "passes": fl["passes"], "tokens": fl["tokens"],
               "losses": losses, "eval_seconds": time.perf_counter() - t,
               "switch_on": switch_on_stats(records) if feedback else None,
-              "skipped_steps": sum(1 for r in records if r.get("skipped"))}
+              "skipped_steps": sum(1 for r in records if r.get("skipped")), "flop_parameters": fp}
     atomic_write_json(path, {"key": key, "result": result})
     return result
 
@@ -233,7 +258,7 @@ def _elapsed(out: str) -> float | None:
 
 def arm_steps(args, arm: Arm) -> int:
     """Steps of ``arm``: ``--branch-steps`` off the trunk, ``--trunk-steps`` + ``--branch-steps`` from scratch, and
-    a FLOP-matched baseline's multiplier times the steps of the baseline it continues."""
+    a FLOP-matched baseline's (``-flops``, ``-epochs``) multiplier times the steps of the baseline it controls."""
     if arm.flops_of:
         mult = args.scratch_flops_multiplier if arm.scratch else args.flops_multiplier
         return math.ceil(arm_steps(args, ARM_BY_NAME[arm.flops_of]) * mult)
@@ -242,12 +267,13 @@ def arm_steps(args, arm: Arm) -> int:
 
 def complete_arms(names: list[str]) -> list[Arm]:
     """The arms to train for the ``names`` asked for: those, each one's equal-token baseline (and ``baseline`` when
-    one branches off the trunk) and the FLOP-matched baseline of every baseline that has one (listed last)."""
+    one branches off the trunk) and the two FLOP-matched baselines of every baseline that has them (``-flops``,
+    then ``-epochs``, listed last)."""
     wanted = set(names)
     if any(not ARM_BY_NAME[n].scratch for n in names):
         wanted.add("baseline")
     wanted |= {ARM_BY_NAME[n].reference for n in wanted}
-    wanted |= {FLOPS_OF[n] for n in wanted if n in FLOPS_OF}
+    wanted |= {of[n] for of in (FLOPS_OF, EPOCHS_OF) for n in wanted if n in of}
     return ([a for a in ARMS if a.name in wanted and not a.flops_of]
             + [a for a in ARMS if a.name in wanted and a.flops_of])
 
@@ -258,7 +284,8 @@ def uses_trunk(trunk_cfg: TrainConfig, cfgs: dict[str, TrainConfig]) -> bool:
 
 def seed_plan(args, seed: int, arms: list[Arm]) -> tuple[TrainConfig, dict[str, TrainConfig]]:
     """The trunk's config of one seed and every arm's, validated (an arm from scratch reads the batches the trunk
-    and a branch read, in the same order)."""
+    and a branch read, in the same order; an ``-epochs`` arm re-reads exactly the batches its plain arm reads:
+    ``--unique-batches`` its steps, from the same ``--data-offset``)."""
     root = os.path.join(args.out, f"seed{seed}")
     peak = args.lr or get_preset(args.preset).lr
     trunk_cfg = _config(args, os.path.join(root, "trunk"), args.trunk_steps, seed, num_passes=1, lr=peak,
@@ -266,8 +293,9 @@ def seed_plan(args, seed: int, arms: list[Arm]) -> tuple[TrainConfig, dict[str, 
     cfgs = {}
     for a in arms:
         branch = {} if a.scratch else dict(init_from=trunk_cfg.out, feedback_start=0.0, data_offset=args.trunk_steps)
+        pool = dict(unique_batches=arm_steps(args, ARM_BY_NAME[a.flops_of])) if a.epochs else {}
         cfgs[a.name] = _config(args, os.path.join(root, a.name), arm_steps(args, a), seed, lr=peak * a.lr_scale,
-                               **branch, **a.settings)
+                               **branch, **pool, **a.settings)
     trunk_cfg.validate()
     for cfg in cfgs.values():  # the trunk they continue may not exist yet
         dataclasses.replace(cfg, init_from=None).validate()
@@ -287,7 +315,7 @@ def run_seed(args, seed: int, trunk_cfg: TrainConfig, cfgs: dict[str, TrainConfi
             say(f"recipe: seed {seed}: {name}, {cfg.steps} steps")
             _train(cfg, corpus, f"seed {seed} {name}")
         runs[name] = dict(evaluate_run(cfg, rows, args), train_seconds=_elapsed(cfg.out))
-    return {"seed": seed, "runs": runs, "eval_rows": int(rows.shape[0]),
+    return {"seed": seed, "runs": runs, "eval_rows": int(rows.shape[0]), "row_tokens": int(rows.shape[1]),
             "scored_tokens": int(rows.shape[0] * (rows.shape[1] - args.prompt_tokens))}
 
 
@@ -321,9 +349,10 @@ def run_recipe(args) -> dict:
     scored = [a for a in arms if not a.flops_of]
     res = {"arms": [a.name for a in arms], "arm_descriptions": {a.name: a.description for a in arms},
            "scratch_arms": [a.name for a in arms if a.scratch and not a.flops_of], "seeds": seeds,
+           "unique_batches": {a.name: plans[seeds[0]][1][a.name].unique_batches for a in arms if a.epochs},
            "settings": {k: getattr(args, k) for k in DEFAULTS if k != "out"} | {"quick": bool(args.quick)},
            "per_seed": per_seed}
-    res["table"] = analyse(per_seed, scored, FLOPS_OF)
+    res["table"] = analyse(per_seed, scored, {"flops": FLOPS_OF, "epochs": EPOCHS_OF}, args.prompt_tokens)
     res["switch_on"] = {a.name: per_seed[0]["runs"][a.name]["switch_on"] for a in scored}
     res["best"] = best_feedback_arm(res)
     res["seconds"] = time.perf_counter() - t0

@@ -1,12 +1,14 @@
 """The analysis and report of ``fullband experiment recipe`` (:mod:`fullband.experiments.recipe` trains and scores the
 runs): the paired differences of every (arm, mode) to the arm's baseline at equal tokens and, interpolated between
-that baseline and its FLOP-matched one, at equal FLOPs (:func:`analyse`); the tables, the best feedback arm, the plot
-and ``report.md``."""
+that baseline and each of its FLOP-matched ones (``-flops``: more unique tokens; ``-epochs``: the same unique
+tokens), at equal FLOPs (:func:`analyse`); each mode's inference FLOPs relative to ``standard`` (:func:`mode_cost`);
+the tables, the best feedback arm, the plot and ``report.md``."""
 
 from __future__ import annotations
 
 import math
 
+from ..eval.flops import inference_flops
 from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
 from .common import save_png
 
@@ -19,16 +21,29 @@ def _interp_rows(lo: list[float], hi: list[float], f_lo: float, f_hi: float, f: 
     return [a + w * (b - a) for a, b in zip(lo, hi)]
 
 
-def analyse(seeds: list[dict], arms: list, flops_of: dict[str, str], boot_seed: int = 0) -> list[dict]:
-    """One table row per (arm, mode): loss per seed and mean, paired deltas at equal tokens (vs the arm's
-    reference) and equal FLOPs (vs its reference's loss at the arm's FLOPs, interpolated towards the reference's
-    FLOP-matched baseline)."""
+def mode_cost(mode: str, fp: dict, row_tokens: int, prompt_tokens: int) -> float:
+    """Inference FLOPs of scoring a row in the table's ``mode`` (``standard``, ``K=k``, ``exact``, ``soft``,
+    ``fused``) relative to ``standard``, as the recipe scores it (:func:`fullband.eval.scoring.row_losses` after a
+    ``prompt_tokens`` prompt, ``fused`` with one prefill pass): :func:`fullband.eval.flops.inference_flops`."""
+    k = int(mode[2:]) if mode.startswith("K=") else 2
+    return inference_flops("passes" if mode.startswith("K=") else mode, fp, row_tokens, prompt_tokens,
+                           num_passes=k, prefill_passes=1)["relative"]
+
+
+def analyse(seeds: list[dict], arms: list, controls: dict[str, dict[str, str]], prompt_tokens: int,
+            boot_seed: int = 0) -> list[dict]:
+    """One table row per (arm, mode): loss per seed and mean, its inference FLOPs relative to ``standard``
+    (:func:`mode_cost`, the arm's parameters), paired deltas at equal tokens (vs the arm's reference) and, per
+    control (``{"flops": FLOPS_OF, "epochs": EPOCHS_OF}``: reference -> its FLOP-matched baseline reading further /
+    re-reading the reference's own rows), at equal FLOPs: vs the reference's loss at the arm's FLOPs, interpolated
+    towards that control (``delta_flops``, ``delta_epochs``)."""
     table = []
     for arm in arms:
-        flops_ref = flops_of.get(arm.reference)
+        refs = {kind: of.get(arm.reference) for kind, of in controls.items()}
         first = seeds[0]["runs"][arm.name]
         for mode in first["losses"]:
-            per_seed, d_tok, d_flop, d_self, flop_ok = [], [], [], [], True
+            per_seed, d_tok, d_self = [], [], []
+            d_ctl = {kind: [] for kind in controls}
             for s in seeds:
                 runs = s["runs"]
                 run, ref = runs[arm.name], runs[arm.reference]
@@ -36,26 +51,30 @@ def analyse(seeds: list[dict], arms: list, flops_of: dict[str, str], boot_seed: 
                 per_seed.append(sum(mine) / len(mine))
                 d_tok.append([a - b for a, b in zip(mine, ref["losses"]["standard"])])
                 d_self.append([a - b for a, b in zip(mine, run["losses"]["standard"])])
-                at = None
-                if flops_ref is not None:
-                    big = runs[flops_ref]
-                    at = _interp_rows(ref["losses"]["standard"], big["losses"]["standard"], ref["flops"], big["flops"],
-                                      run["flops"])
-                if at is None:
-                    flop_ok = False
-                else:
-                    d_flop.append([a - b for a, b in zip(mine, at)])
+                for kind, name in refs.items():
+                    at = None
+                    if name is not None and d_ctl[kind] is not None:
+                        big = runs[name]
+                        at = _interp_rows(ref["losses"]["standard"], big["losses"]["standard"], ref["flops"],
+                                          big["flops"], run["flops"])
+                    if at is None:
+                        d_ctl[kind] = None  # not at every seed: not compared
+                    else:
+                        d_ctl[kind].append([a - b for a, b in zip(mine, at)])
             row = {"arm": arm.name, "mode": mode, "loss": sum(per_seed) / len(per_seed), "loss_per_seed": per_seed,
-                   "reference": arm.reference, "flops_reference": flops_ref,
-                   "flops": [s["runs"][arm.name]["flops"] for s in seeds]}
+                   "reference": arm.reference, **{f"{kind}_reference": name for kind, name in refs.items()},
+                   "flops": [s["runs"][arm.name]["flops"] for s in seeds],
+                   "inference_flops": mode_cost(mode, first["flop_parameters"], seeds[0]["row_tokens"],
+                                                prompt_tokens)}
             if arm.name != arm.reference:
                 # each seed scores rows of its own seeded validation split: resampled within each seed
                 row["delta_tokens"] = bootstrap_ci_within_seeds(d_tok, boot_seed)
                 row["delta_tokens_per_seed"] = [bootstrap_ci(d, seed=boot_seed).as_dict() for d in d_tok]
             if mode != "standard":
                 row["delta_vs_own_standard"] = bootstrap_ci_within_seeds(d_self, boot_seed)
-            if flop_ok and arm.name != arm.reference:
-                row["delta_flops"] = bootstrap_ci_within_seeds(d_flop, boot_seed)
+            for kind, d in d_ctl.items():
+                if d is not None and arm.name != arm.reference:
+                    row[f"delta_{kind}"] = bootstrap_ci_within_seeds(d, boot_seed)
             table.append(row)
     return table
 
@@ -67,12 +86,15 @@ def _ci(d: dict | None) -> str:
 
 
 def tables(res: dict) -> str:
-    lines = ["| arm | mode | loss (mean of seeds) | per seed | Δ vs baseline, equal tokens [95% CI] | "
-             "Δ vs baseline, equal FLOPs | Δ vs own standard |", "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    lines = ["| arm | mode | loss (mean of seeds) | per seed | inference FLOPs vs standard | "
+             "Δ vs baseline, equal tokens [95% CI] | Δ vs baseline, equal FLOPs | "
+             "Δ vs equal unique tokens & FLOPs | Δ vs own standard |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["table"]:
         per = " / ".join(f"{x:.4f}" for x in r["loss_per_seed"])
-        lines.append(f"| {r['arm']} | {r['mode']} | {r['loss']:.4f} | {per} | {_ci(r.get('delta_tokens'))} | "
-                     f"{_ci(r.get('delta_flops'))} | {_ci(r.get('delta_vs_own_standard'))} |")
+        lines.append(f"| {r['arm']} | {r['mode']} | {r['loss']:.4f} | {per} | {r['inference_flops']:.3f} | "
+                     f"{_ci(r.get('delta_tokens'))} | {_ci(r.get('delta_flops'))} | {_ci(r.get('delta_epochs'))} | "
+                     f"{_ci(r.get('delta_vs_own_standard'))} |")
     lines += ["", "| arm | first-10-step L2−L1 | last-10-step L2−L1 | first-10 max grad norm | last-10 mean grad norm |",
               "| --- | ---: | ---: | ---: | ---: |"]
     for name, so in res["switch_on"].items():
@@ -121,9 +143,25 @@ def plot(res: dict, path: str) -> str:
     ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("held-out loss − baseline (nats/token)")
     ax.set_title("recipe grid: Δ vs the equal-token baseline (95% CI)")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no bars when no FBT arm was asked for
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return save_png(fig, path)
+
+
+COLUMNS = (
+    "Columns: *inference FLOPs vs standard* is the forward compute of scoring a held-out row in that mode over "
+    "`standard`'s on the same row and model (`fullband.eval.flops.inference_flops`: K=k runs k passes over the row, "
+    "passes 2..k fused, logits once; `exact` is `standard`'s FLOPs plus a fusion a token, in one-token steps; `soft` "
+    "prefills the prompt plainly, then fuses each continuation token; `fused` adds one fused pass over the prompt). "
+    "Each Δ is the arm's per-row loss minus a baseline's, paired by row (95% percentile bootstrap, rows resampled "
+    "within each seed): *equal tokens* against the arm's plain reference (same steps, the same unique tokens); "
+    "*equal FLOPs* against that reference's loss at the arm's training FLOPs, interpolated per row (linear in log "
+    "FLOPs) towards its `-flops` baseline (trained longer, reading further: more unique tokens); *equal unique "
+    "tokens & FLOPs* the same towards its `-epochs` baseline (trained as long as the `-flops` one, on exactly the "
+    "reference's rows: `--unique-batches` its steps, from its `--data-offset`, re-read in a fresh order each epoch, "
+    "its own full LR schedule); blank where the arm's FLOPs lie outside the two baselines' or the family has no "
+    "such baseline.")
 
 
 def report(res: dict, text: str) -> str:
@@ -142,7 +180,7 @@ def report(res: dict, text: str) -> str:
              f"{res['load_average'][0]} at the start and {res['load_average'][1]} at the end, "
              f"{res['threads']} thread(s).", "", "Arms:", ""]
     lines += [f"* `{n}`: {d}" for n, d in res["arm_descriptions"].items()]
-    lines += ["", text, ""]
+    lines += ["", COLUMNS, "", text, ""]
     if best:
         lines.append(f"Best feedback arm and mode: `{best['arm']}` in `{best['mode']}`, {best['loss']:.4f} "
                      f"(Δ vs baseline at equal tokens {_ci(best.get('delta_tokens'))}).")

@@ -22,7 +22,7 @@ from ..eval.scoring import load_any_model
 from ..eval.state_tasks import dense_labels, encode_state_rows, exact_passes, make_state_problems
 from ..model.configuration import has_feedback
 from ..model.modeling import FullBandwidthForCausalLM
-from .depth import init_backbone
+from .synthetic import init_backbone
 
 
 def saved_bytes(fn) -> tuple[object, int]:

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..model.feedback import check_fusion_name
+from ..utils.errors import UsageError
 from . import distributed as D
 from .presets import get_preset
-from .schedule import FeedbackSchedule, SwitchOn, lr_at
+from .schedule import FeedbackSchedule, SwitchOn, lr_at, parse_pass_mix
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -313,6 +314,17 @@ def saved_options(saved_config: dict, cls=TrainConfig) -> dict:
             and fields_[k].metadata.get("persist", True)}
 
 
+def same_value(name: str, a, b) -> bool:
+    """Whether option ``name`` has the same meaning at values ``a`` and ``b``: a pass mix compares by its pairs (in
+    any order, ``.75`` as ``0.75``), everything else by value."""
+    if name == "pass_mix" and a != b:
+        try:
+            return parse_pass_mix(a) == parse_pass_mix(b)
+        except (UsageError, ValueError):  # a malformed mix is refused elsewhere, by name
+            return False
+    return a == b
+
+
 def trajectory_diff(old, new) -> tuple[list[str], list[str]]:
     """(fields that change the trajectory, feedback fields among them)."""
     diff, branch = [], []
@@ -322,7 +334,7 @@ def trajectory_diff(old, new) -> tuple[list[str], list[str]]:
         a, b = getattr(old, f.name), getattr(new, f.name)
         if f.name == "lr":
             a, b = old.resolved_lr(), new.resolved_lr()
-        if a != b:
+        if not same_value(f.name, a, b):
             (branch if f.metadata.get("branch") else diff).append(f.name)
     return diff, branch
 

@@ -75,7 +75,11 @@ def init_distributed(device: str = "auto") -> DistEnv:
 
 
 def shutdown(env: DistEnv) -> None:
+    """The end of a run every rank finished: all ranks meet at a barrier, then destroy the group (a rank that
+    destroyed it while another still wrote its last files or sat in a collective left the launcher waiting on that
+    one, intermittently, in the 2-process tests)."""
     if env.distributed and dist.is_initialized():
+        barrier(env)
         dist.destroy_process_group()
 
 

@@ -176,12 +176,14 @@ def run(recipe: Recipe, resume: bool = False, overwrite: bool = False) -> dict:
     """Run (or continue) ``recipe``'s training; returns the summary (``status`` = done / stopped / paused)."""
     hf_logging.disable_progress_bar()
     env = D.init_distributed(recipe.cfg.device)
-    try:
-        trainer = Trainer(recipe, env)
-        trainer.prepare(resume, overwrite)
-        return trainer.fit()
-    finally:
-        D.shutdown(env)
+    trainer = Trainer(recipe, env)
+    trainer.prepare(resume, overwrite)
+    summary = trainer.fit()
+    # only a run every rank finished tears the group down together (D.shutdown: a barrier, then destroy): after an
+    # error another rank may be inside a collective, and a collective teardown would wait on it; the process's exit
+    # ends its part of the group then (torchtitan does the same)
+    D.shutdown(env)
+    return summary
 
 
 class Trainer:

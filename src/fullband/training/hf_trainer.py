@@ -50,6 +50,10 @@ class PassSchedule:
     feedback_weight: float = _DEFAULTS.feedback_weight
     feedback_ramp: float = _DEFAULTS.feedback_ramp
     fusion_lr_mult: float = _DEFAULTS.fusion_lr_mult
+    grad_passes: int = _DEFAULTS.grad_passes  # long recurrences: only the last N passes backpropagate (0: all)
+    pass_tol: float = _DEFAULTS.pass_tol  # skip the remaining no-gradient passes once the states stop changing
+    loss_chunk: int = _DEFAULTS.loss_chunk  # the LM loss over chunks of N positions (no full logits kept)
+    z_loss: float = _DEFAULTS.z_loss  # PaLM's z-loss coefficient (0: off)
     reset_fusion: bool = True  # re-initialise the fusion when feedback switches on (a fusion built, never trained)
     seed: int = 0
 
@@ -59,6 +63,14 @@ class PassSchedule:
             raise ValueError(f"prefix_mix must be in [0, 1], got {self.prefix_mix}")
         if self.feedback_weight < 0 or self.fusion_lr_mult < 0:
             raise ValueError("feedback_weight and fusion_lr_mult must be >= 0")
+        if min(self.grad_passes, self.pass_tol, self.loss_chunk, self.z_loss) < 0:
+            raise ValueError("grad_passes, pass_tol, loss_chunk and z_loss must be >= 0 (0: off)")
+
+    def forward_options(self, num_passes: int) -> dict:
+        """The K-pass forward's options of a step of ``num_passes`` passes, as ``fullband train`` passes them
+        (:meth:`TrainConfig.loss_options` on every step, :meth:`TrainConfig.pass_options` on a fed-back one)."""
+        options = TrainConfig.loss_options(self) | (TrainConfig.pass_options(self) if num_passes > 1 else {})
+        return {k: v for k, v in options.items() if v is not None}
 
     @classmethod
     def from_train_config(cls, cfg: TrainConfig, **overrides) -> "PassSchedule":
@@ -124,7 +136,7 @@ class FeedbackTrainerMixin:
                      "feedback_weight": self.pass_schedule.weight_at(step, total)}
         if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
             extra["num_items_in_batch"] = num_items_in_batch
-        outputs = model(**inputs, num_passes=K, **extra)
+        outputs = model(**inputs, num_passes=K, **extra, **self.pass_schedule.forward_options(K))
         self._last = (K, outputs.pass_losses.detach().float().tolist())
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 

@@ -41,7 +41,7 @@ from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing
 from ..model.modeling import FullBandwidthForCausalLM, load_model
 from ..utils.io import atomic_save_pretrained, read_jsonl
 from .checkpoint import METRICS, RUN_CONFIG, SUMMARY, model_fingerprint
-from .config import DEFAULT_FUSION, TrainConfig, flag_name
+from .config import DEFAULT_FUSION, TrainConfig, flag_name, same_value
 from .engine import Recipe, StepBatch, run
 from .presets import backbone_config
 
@@ -297,8 +297,13 @@ def run_differences(cfg: TrainConfig, corpus=None) -> list[str] | None:
     saved = saved if isinstance(saved, dict) else {}
     # an option the run's saved config lacks is newer than the run: it ran as that option's default says
     saved = {**type(cfg)().to_dict(), **saved}
-    diffs = [f"--{flag_name(k)} {_short(saved.get(k))} -> {_short(v)}" for k, v in cfg.to_dict().items()
-             if k not in _NOT_TRAJECTORY and saved.get(k) != v]
+    # where the run lies and which path its initial model was read from are not what it trained: a run moved with
+    # its directory (or an --init-from model copied elsewhere) is the same run; the initial model is compared by
+    # its weights below, so only whether there is one counts here
+    current = cfg.to_dict()
+    saved["init_from"], current["init_from"] = saved.get("init_from") is not None, cfg.init_from is not None
+    diffs = [f"--{flag_name(k)} {_short(saved.get(k))} -> {_short(v)}" for k, v in current.items()
+             if k not in _NOT_TRAJECTORY and k != "out" and not same_value(k, saved.get(k), v)]
     if corpus is not None and summary.get("data_sha256") != data_fingerprint(corpus):
         diffs.append("the training data" + ("" if summary.get("data_sha256") else " (not recorded by that run)"))
     if cfg.init_from is not None:
