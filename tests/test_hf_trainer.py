@@ -39,54 +39,55 @@ def trainer_args(tmp_path, steps, **kw):
     return TrainingArguments(**base)
 
 
-def test_trainer_step_equals_the_engine_step(tmp_path):
-    """A K=2 step with prefix mixing through ``Trainer`` and through the package's engine (its forward_backward and
-    its fused AdamW with the fusion at 10x the LR) on the same row and mask: same loss, same weights after the
-    optimizer step. Bugs caught: the trainer running K=1 (a plain forward: other loss, fusion gets no update), λ or
-    the mask not passed, the fusion group at the trainer's plain LR, weight decay on norms."""
-    ids = random_ids(1, 24, seed=3)
-    ids[0, 12] = 1  # BOS: a second document inside the row: no state across it
+def _trainer_and_engine_step(tmp_path, ids, sched: PassSchedule, **engine_options):
+    """One step of ``sched`` through ``Trainer`` and through the package's engine (its forward_backward and its fused
+    AdamW with the fusion at 10x the LR) from the same trained-looking residual model on the same row and mask:
+    (trainer's model, its logged record, the engine's model, the engine's loss and pass losses, the mask)."""
     model = tiny_model(fusion="residual", jitter=0.0)
     with torch.no_grad():  # a trained-looking fusion: the residual entry's output gain away from 0
         model.feedback.out_norm.weight.fill_(0.5)
     reference = copy.deepcopy(model)
-    sched = PassSchedule(feedback_start=0.0, num_passes=2, deep_fraction=0.0, prefix_mix=0.5, feedback_ramp=0.0,
-                         feedback_weight=0.7, fusion_lr_mult=10.0, reset_fusion=False)
     trainer = FullBandwidthTrainer(model=model, args=trainer_args(tmp_path, 1), train_dataset=Rows(ids),
                                    pass_schedule=sched)
     mask = trainer.feedback_mask(model, {"input_ids": ids}, step=0, micro=0)
-    assert not mask[0, 12] and not mask[0, 0] and mask.sum() < 22  # document start, position 0, a mixed prefix
     trainer.train()
-    logged = trainer.state.log_history[0]
-    assert logged["num_passes"] == 2
-
     cfg = TrainConfig(out="x", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, fusion_lr_mult=10.0)
     reference.train()
     opt = build_optimizer(reference, cfg, torch.device("cpu"))
     set_learning_rates(opt, 1e-3, 1e-3)
-    loss, passes = forward_backward(reference, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], 2,
-                                    contextlib.nullcontext, feedback_weight=0.7)
+    loss, passes = forward_backward(reference, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}],
+                                    sched.num_passes, contextlib.nullcontext, feedback_weight=sched.feedback_weight,
+                                    **engine_options)
     opt.step()
+    logged = trainer.state.log_history[0]
+    assert logged["num_passes"] == sched.num_passes
     assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
-    assert [logged["loss_pass1"], logged["loss_pass2"]] == pytest.approx(passes.tolist(), rel=1e-5)
-    assert float(loss) == pytest.approx(float(passes[0] + 0.7 * passes[1]), rel=1e-6)
-    moved = 0
+    assert [logged[f"loss_pass{i + 1}"] for i in range(sched.num_passes)] == pytest.approx(passes.tolist(), rel=1e-5)
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-        moved += name.startswith("feedback.")
-    assert moved and not torch.equal(model.feedback.value_proj.weight, tiny_model(fusion="residual").feedback.value_proj.weight)
+    return model, logged, reference, loss, passes, mask
+
+
+def test_trainer_step_equals_the_engine_step(tmp_path):
+    """A K=2 step with prefix mixing through ``Trainer`` and through the package's engine on the same row and mask:
+    same loss, same weights after the optimizer step. Bugs caught: the trainer running K=1 (a plain forward: other
+    loss, fusion gets no update), λ or the mask not passed, the fusion group at the trainer's plain LR, weight decay
+    on norms."""
+    ids = random_ids(1, 24, seed=3)
+    ids[0, 12] = 1  # BOS: a second document inside the row: no state across it
+    sched = PassSchedule(feedback_start=0.0, num_passes=2, deep_fraction=0.0, prefix_mix=0.5, feedback_ramp=0.0,
+                         feedback_weight=0.7, fusion_lr_mult=10.0, reset_fusion=False)
+    model, _, _, loss, passes, mask = _trainer_and_engine_step(tmp_path, ids, sched)
+    assert not mask[0, 12] and not mask[0, 0] and mask.sum() < 22  # document start, position 0, a mixed prefix
+    assert float(loss) == pytest.approx(float(passes[0] + 0.7 * passes[1]), rel=1e-6)
+    assert not torch.equal(model.feedback.value_proj.weight, tiny_model(fusion="residual").feedback.value_proj.weight)
 
 
 def test_trainer_takes_the_long_recurrence_and_loss_levers(tmp_path):
     """``PassSchedule(grad_passes=, pass_tol=, loss_chunk=, z_loss=)`` reach the K-pass forward as ``fullband train``
-    passes them: a K=4 step with 2 gradient passes, a chunked loss and a z-loss through ``Trainer`` equals the engine's
-    step with the same options (same loss and pass losses, same weights after the optimizer step); the z-loss is in
-    the loss (it exceeds the pass losses' combination)."""
-    ids = random_ids(1, 24, seed=5)
-    model = tiny_model(fusion="residual", jitter=0.0)
-    with torch.no_grad():
-        model.feedback.out_norm.weight.fill_(0.5)
-    reference = copy.deepcopy(model)
+    passes them: a K=4 step with 2 gradient passes, a chunked loss and a z-loss through ``Trainer`` equals the
+    engine's step with the same options (same loss and pass losses, same weights after the optimizer step); the
+    z-loss is in the loss (it exceeds the pass losses' combination)."""
     sched = PassSchedule(feedback_start=0.0, num_passes=4, deep_fraction=0.0, prefix_mix=0.0, feedback_ramp=0.0,
                          feedback_weight=1.0, fusion_lr_mult=10.0, reset_fusion=False, grad_passes=2, loss_chunk=7,
                          z_loss=0.01)
@@ -94,26 +95,9 @@ def test_trainer_takes_the_long_recurrence_and_loss_levers(tmp_path):
     assert sched.forward_options(1) == {"loss_chunk": 7, "z_loss": 0.01}  # a plain step: no recurrence options
     with pytest.raises(ValueError):
         PassSchedule(z_loss=-1.0)
-    trainer = FullBandwidthTrainer(model=model, args=trainer_args(tmp_path, 1), train_dataset=Rows(ids),
-                                   pass_schedule=sched)
-    mask = trainer.feedback_mask(model, {"input_ids": ids}, step=0, micro=0)
-    trainer.train()
-    logged = trainer.state.log_history[0]
-    assert logged["num_passes"] == 4
-
-    cfg = TrainConfig(out="x", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, fusion_lr_mult=10.0)
-    reference.train()
-    opt = build_optimizer(reference, cfg, torch.device("cpu"))
-    set_learning_rates(opt, 1e-3, 1e-3)
-    loss, passes = forward_backward(reference, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], 4,
-                                    contextlib.nullcontext, feedback_weight=1.0, grad_passes=2, loss_chunk=7,
-                                    z_loss=0.01)
-    opt.step()
-    assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
-    assert [logged[f"loss_pass{i}"] for i in range(1, 5)] == pytest.approx(passes.tolist(), rel=1e-5)
+    _, _, _, loss, passes, _ = _trainer_and_engine_step(tmp_path, random_ids(1, 24, seed=5), sched, grad_passes=2,
+                                                        loss_chunk=7, z_loss=0.01)
     assert float(loss) > float(passes[0] + passes[1:].mean()) + 1e-4  # the z-loss term is in the loss
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_trainer_logs_the_pass_schedule(tmp_path):
