@@ -14,6 +14,7 @@ where used: only sharded runs need them.)
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -75,11 +76,18 @@ def init_distributed(device: str = "auto") -> DistEnv:
 
 
 def shutdown(env: DistEnv) -> None:
-    """The end of a run every rank finished: all ranks meet at a barrier, then destroy the group (a rank that
-    destroyed it while another still wrote its last files or sat in a collective left the launcher waiting on that
-    one, intermittently, in the 2-process tests)."""
+    """The end of a run every rank finished (call it once the run's DDP / FSDP model is freed): all ranks meet at a
+    barrier, gloo's worker threads get time to free their finished work, then the group is destroyed.
+
+    Why the pause: a gloo worker thread frees a finished collective's work, and with it the Python-visible tensors
+    it held, after the collective has returned, and that needs the GIL; the group's destructor joins those threads
+    while holding the GIL. A group freed at that moment deadlocks: seen in CI as a rank that never exited, its main
+    thread in ``~ProcessGroupGloo`` (from DDP's ``~Reducer``, the model freed as the run returned) joining a worker
+    blocked on the GIL in ``~AsyncBarrierWork`` (``py-spy dump --native``). Sleeping releases the GIL."""
     if env.distributed and dist.is_initialized():
         barrier(env)
+        if env.backend == "gloo":
+            time.sleep(0.2)
         dist.destroy_process_group()
 
 

@@ -22,6 +22,7 @@ per-step losses as an uninterrupted one (bitwise on CPU in fp32 with the same nu
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import random
@@ -181,7 +182,10 @@ def run(recipe: Recipe, resume: bool = False, overwrite: bool = False) -> dict:
     summary = trainer.fit()
     # only a run every rank finished tears the group down together (D.shutdown: a barrier, then destroy): after an
     # error another rank may be inside a collective, and a collective teardown would wait on it; the process's exit
-    # ends its part of the group then (torchtitan does the same)
+    # ends its part of the group then (torchtitan does the same). The trainer (its DDP / FSDP model) goes first, so
+    # the group's last reference is not dropped by the model's destructor (see D.shutdown)
+    del trainer
+    gc.collect()
     D.shutdown(env)
     return summary
 
