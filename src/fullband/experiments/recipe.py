@@ -216,8 +216,8 @@ def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
     """Per-row losses of a finished run in every mode it has (cached in ``OUT/recipe_eval.json``, keyed by the
     model scored, :func:`fullband.training.checkpoint.evaluation_key`, and the rows and prompt it was scored on),
     its training FLOPs, its switch-on statistics and the parameter counts its inference FLOPs need
-    (:func:`fullband.eval.flops.flop_parameters`; an evaluation cached before they were kept loads the model for
-    them)."""
+    (:func:`fullband.eval.flops.flop_parameters`; an evaluation cached before they were kept loads the model once
+    for them and keeps them in its cache, under the same key)."""
     key = evaluation_key(cfg.out, rows_sha256=rows_fingerprint(rows), prompt_tokens=args.prompt_tokens)
     path = os.path.join(cfg.out, "recipe_eval.json")
     try:
@@ -225,8 +225,9 @@ def evaluate_run(cfg: TrainConfig, rows: torch.Tensor, args) -> dict:
             cached = json.load(f)
         if cached.get("key") == key:
             result = cached["result"]
-            if "flop_parameters" not in result:
+            if "flop_parameters" not in result:  # cached before they were kept: counted once, then kept
                 result["flop_parameters"] = flop_parameters(load_any_model(cfg.out, device="cpu")[0])
+                atomic_write_json(path, {"key": key, "result": result})
             return result
     except (OSError, ValueError):
         pass

@@ -409,9 +409,10 @@ def run_state(args, show: bool = True) -> dict:
                                              "unique_batches": cfg.unique_batches,
                                              "correct": evaluate_arm(model, sets[s], table, device),
                                              "eval_seconds": time.perf_counter() - t}
-            res["runs"].setdefault(name, {"layers": args.layers * arms[name].depth,
-                                          "parameters": sum(p.numel() for p in model.parameters()),
-                                          "inference_flops": inference_costs(model, ref_fp, sets[s])})
+            if name not in res["runs"]:  # per arm, not per seed: the first seed's model (same shapes and rows)
+                res["runs"][name] = {"layers": args.layers * arms[name].depth,
+                                     "parameters": sum(p.numel() for p in model.parameters()),
+                                     "inference_flops": inference_costs(model, ref_fp, sets[s])}
     for name in names:
         per = [res["per_seed"][str(s)][name] for s in seeds]
         res["runs"][name] |= {"steps": per[0]["steps"], "tokens": per[0]["tokens"],
