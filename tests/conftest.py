@@ -113,3 +113,35 @@ def data(tmp_path_factory):
         for i in range(12):
             f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
     return str(path)
+
+
+# ----------------------------------------------------------------------------------------------- another reduction order
+
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def reorder_rtol(*terms: int) -> float:
+    """Relative tolerance for a float32 result computed with its sums in another order (another process count, thread
+    count or micro-batch split): a sum of n float32 terms taken in another order can differ by up to about n·eps
+    relative (the worst-case bound of recursive summation, n·u/(1 - n·u), Higham, *Accuracy and Stability of
+    Numerical Algorithms*, §4.2). ``terms``: the lengths of the reductions on the value's path whose order may change
+    (the tokens averaged into a loss, the widths contracted by the matmuls that feed it: hidden, MLP, vocabulary),
+    added. A tolerance that follows from the arithmetic, not from what one machine happened to give."""
+    return FP32_EPS * sum(terms)
+
+
+def assert_losses_close(got, want, rtol: float) -> None:
+    """Two logged losses or lists of per-pass losses equal to ``rtol`` (relative); a pass that was not scored
+    (``None``) must be unscored in both."""
+    got, want = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (got, want))
+    assert len(got) == len(want), (got, want)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None), (got, want)
+        if a is not None:
+            assert a == pytest.approx(b, rel=rtol, abs=0), (got, want, rtol)
+
+
+def micro_rtol(tokens: int) -> float:
+    """:func:`reorder_rtol` of the ``micro`` preset's reductions (d_model 64, MLP 128, the tests' 300-entry BPE
+    vocabulary) on a loss averaged over ``tokens`` tokens."""
+    return reorder_rtol(tokens, 64, 128, 300)

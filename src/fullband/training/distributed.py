@@ -75,6 +75,9 @@ def init_distributed(device: str = "auto") -> DistEnv:
                    backend=backend)
 
 
+GLOO_THREADS = 2  # gloo's worker threads per process group (ProcessGroupGloo._Options()._threads)
+
+
 def shutdown(env: DistEnv) -> None:
     """The end of a run every rank finished (call it once the run's DDP / FSDP model is freed): all ranks meet at a
     barrier, gloo's worker threads get time to free their finished work, then the group is destroyed.
@@ -83,12 +86,27 @@ def shutdown(env: DistEnv) -> None:
     it held, after the collective has returned, and that needs the GIL; the group's destructor joins those threads
     while holding the GIL. A group freed at that moment deadlocks: seen in CI as a rank that never exited, its main
     thread in ``~ProcessGroupGloo`` (from DDP's ``~Reducer``, the model freed as the run returned) joining a worker
-    blocked on the GIL in ``~AsyncBarrierWork`` (``py-spy dump --native``). Sleeping releases the GIL."""
+    blocked on the GIL in ``~AsyncBarrierWork`` (``py-spy dump --native``). Sleeping releases the GIL.
+
+    To the end: a gloo worker marks a collective's work complete (which wakes the waiting caller) and only then drops
+    its own reference to it; when that is the last reference, the work's destructor runs in the worker and frees
+    tensors whose Python objects it keeps alive, which takes the GIL. So the deadlock needs a worker still holding
+    the last reference to a finished work when the group is destroyed. Here every one of the group's worker threads
+    (gloo's default: :data:`GLOO_THREADS`) is given a barrier of its own, enqueued together (each waits for the work
+    before it, so a free worker takes the next) and referenced from this thread until the group is destroyed: a
+    worker drops its previous work before it takes a new one, so once all have completed no worker holds a last
+    reference to anything but those barriers, whose last references are dropped here, after the workers are
+    joined. The pause stays as a second line of defence."""
     if env.distributed and dist.is_initialized():
         barrier(env)
+        held = []
         if env.backend == "gloo":
+            held = [dist.barrier(async_op=True) for _ in range(GLOO_THREADS)]
+            for work in held:
+                work.wait()
             time.sleep(0.2)
         dist.destroy_process_group()
+        del held  # the barriers' last references, dropped here once gloo's workers are joined
 
 
 def barrier(env: DistEnv) -> None:

@@ -173,6 +173,17 @@ def forward_backward(model, micro_batches: list[dict], num_passes: int, autocast
     return loss_sum, pass_sum
 
 
+def trained_loss(pass_losses: list[float], num_passes: int, grad_passes: int = 0) -> float:
+    """What the stability guard watches on a step of ``num_passes`` passes: the mean loss of the passes that are
+    trained (have a gradient), i.e. the last ``grad_passes`` of them (``0``: all K). Pass 1 alone would be blind
+    to the passes actually trained when ``--grad-passes N < K`` gives pass 1 no gradient (a spike in passes
+    K-N+1..K would then be stepped on), and the combined loss ``L_1 + λ·mean(L_2..L_K)`` is not comparable between
+    steps of different K; the mean of the trained passes is an LM loss on every step, whatever K."""
+    n = num_passes if num_passes <= 1 or not grad_passes else min(grad_passes, num_passes)
+    trained = pass_losses[len(pass_losses) - n:]
+    return math.fsum(trained) / len(trained)
+
+
 def run(recipe: Recipe, resume: bool = False, overwrite: bool = False) -> dict:
     """Run (or continue) ``recipe``'s training; returns the summary (``status`` = done / stopped / paused)."""
     hf_logging.disable_progress_bar()
@@ -326,7 +337,8 @@ class Trainer:
         z_sum = [torch.stack(zs).sum().view(1)] if zs else []  # the z-loss inside the loss (--z-loss)
         stats = D.all_reduce_mean(torch.cat([loss_sum.view(1), pass_sum, *z_sum]) * batch.loss_weight, env).tolist()
         loss, pass_losses = stats[0], stats[1:1 + len(pass_sum)]
-        reason = guard.check(loss, pass_losses[0], None)
+        watched = trained_loss(pass_losses, K, cfg.grad_passes)
+        reason = guard.check(loss, watched, None)
         grad_norm, fusion_norm = float("nan"), None
         if reason is None:
             if cfg.clip_per_group:
@@ -336,10 +348,10 @@ class Trainer:
                     grad_norm = math.hypot(grad_norm, fusion_norm)
             else:
                 grad_norm = clip_gradients(self.all_params, cfg.grad_clip)
-            reason = guard.check(loss, pass_losses[0], grad_norm)
+            reason = guard.check(loss, watched, grad_norm)
         if reason is None:
             optimizer.step()
-            guard.good(pass_losses[0])
+            guard.good(watched)
         else:
             guard.bad()
         optimizer.zero_grad(set_to_none=True)

@@ -3,8 +3,9 @@
 Owns :class:`MetricsLog` (rank 0's sinks: ``OUT/metrics.jsonl`` one JSON object a line, TensorBoard under
 ``OUT/tb`` when installed, a tqdm progress bar with the loss per pass, LR and tokens/s; messages go to stderr
 above the bar), :func:`finite_or_none` (NaN/inf logged as ``null``), :func:`plot_run` (``OUT/curves.png``) and
-:class:`Guard` (a step whose loss or gradient norm is NaN/inf, or whose pass-1 loss exceeds ``spike_factor`` ×
-its running average, is skipped; the engine stops after ``--max-bad-steps`` in a row).
+:class:`Guard` (a step whose loss or gradient norm is NaN/inf, or whose watched loss -- the mean loss of the passes
+that are trained, :func:`fullband.training.engine.trained_loss` -- exceeds ``spike_factor`` × its running average,
+is skipped; the engine stops after ``--max-bad-steps`` in a row).
 """
 
 from __future__ import annotations
@@ -116,18 +117,19 @@ class Guard:
     bad_in_row: int = 0
     skipped: int = 0
 
-    def check(self, loss: float, first_pass: float, grad_norm: float | None) -> str | None:
-        if not math.isfinite(loss) or not math.isfinite(first_pass):
+    def check(self, loss: float, watched: float, grad_norm: float | None) -> str | None:
+        """Why the step must be skipped, or ``None``; ``watched``: the loss of the passes the step trains."""
+        if not math.isfinite(loss) or not math.isfinite(watched):
             return "non-finite loss"
         if grad_norm is not None and not math.isfinite(grad_norm):
             return "non-finite gradient"
         if (self.spike_factor > 0 and self.ema is not None and self.good_steps >= self.warmup
-                and first_pass > self.spike_factor * self.ema):
-            return f"loss spike ({first_pass:.3f} > {self.spike_factor:g} x running {self.ema:.3f})"
+                and watched > self.spike_factor * self.ema):
+            return f"loss spike ({watched:.3f} > {self.spike_factor:g} x running {self.ema:.3f})"
         return None
 
-    def good(self, first_pass: float) -> None:
-        self.ema = first_pass if self.ema is None else self.beta * self.ema + (1 - self.beta) * first_pass
+    def good(self, watched: float) -> None:
+        self.ema = watched if self.ema is None else self.beta * self.ema + (1 - self.beta) * watched
         self.good_steps += 1
         self.bad_in_row = 0
 

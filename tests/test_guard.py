@@ -1,0 +1,64 @@
+"""The stability guard watches the passes that are trained: with ``--grad-passes N < K`` pass 1 has no gradient, so a
+spike in the passes that are stepped on must be skipped even when pass 1 is unchanged (the guard read pass 1 alone)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from fullband.training.config import TrainConfig
+from fullband.training.engine import run as run_recipe
+from fullband.training.engine import trained_loss
+from fullband.training.pretrain import PretrainRecipe
+from fullband.utils.io import read_jsonl
+
+CORRUPT_AT = 30  # 0-based step before which the fusion is blown up (the loss has flattened by then)
+
+
+class CorruptFusion(PretrainRecipe):
+    """The ordinary pre-training recipe, except that the residual fusion's output gain is set to 100 just before step
+    ``CORRUPT_AT`` (the fed-back term then swamps the token: a real spike in every fed-back pass; pass 1 takes no
+    state and does not see it). The spike is ≈ 1.9x the running loss (the pre-norm backbone bounds what a blown-up
+    input can do), so the test sets ``--spike-factor 1.5``."""
+
+    def setup(self, tokenizer):
+        self.model, tok = super().setup(tokenizer)
+        return self.model, tok
+
+    def batch(self, step, num_passes, generator, env):
+        if step == CORRUPT_AT:
+            with torch.no_grad():
+                self.model.feedback.out_norm.weight.fill_(100.0)
+        return super().batch(step, num_passes, generator, env)
+
+
+def run(data, out, **kw):
+    cfg = TrainConfig(out=str(out), preset="micro", steps=34, seed=0, data=data, vocab_size=300, seq_len=32,
+                      batch_size=4, progress=False, tensorboard=False, plot=False, feedback_start=0.0, jitter=0.0,
+                      num_passes=3, deep_fraction=0.0, max_bad_steps=2, spike_factor=1.5, **kw)
+    summary = run_recipe(CorruptFusion(cfg))
+    rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("split") == "train"]
+    return summary, rows
+
+
+def test_a_spike_in_the_trained_passes_is_skipped_when_pass_1_has_no_gradient(data, tmp_path):
+    summary, rows = run(data, tmp_path / "g", grad_passes=2)
+    before, hit = rows[CORRUPT_AT - 1], rows[CORRUPT_AT]
+    # the trained passes 2..3 jump (≈ 1.9x); pass 1 takes no state and has no gradient here
+    assert trained_loss(hit["pass_losses"], 3, 2) > 1.5 * trained_loss(before["pass_losses"], 3, 2)
+    assert hit.get("skipped", "").startswith("loss spike"), hit
+    assert all("skipped" not in r for r in rows[:CORRUPT_AT])
+    # the corrupted fusion stays (skipped steps do not update it): the run stops after --max-bad-steps 2
+    assert summary["status"] == "stopped" and len(rows) == CORRUPT_AT + 2
+
+
+def test_the_watched_loss_is_the_mean_of_the_trained_passes():
+    assert trained_loss([5.0], 1, 0) == 5.0
+    assert trained_loss([5.0, 7.0, 9.0], 3, 0) == pytest.approx(7.0)  # every pass trained
+    assert trained_loss([5.0, 7.0, 9.0], 3, 2) == pytest.approx(8.0)  # passes 2..3 trained
+    assert trained_loss([5.0, 7.0, 9.0], 3, 1) == 9.0
+    assert trained_loss([5.0, 7.0], 2, 4) == pytest.approx(6.0)  # N >= K: all
+    assert math.isnan(trained_loss([5.0, float("nan")], 2, 1))
