@@ -126,6 +126,28 @@ def all_reduce_mean(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return t / env.world_size
 
 
+def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum over ranks (of a copy)."""
+    if not env.distributed:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def rank_share(n: int, env: DistEnv) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of ``n`` evaluation items, ``(indices, counted)``: items ``rank, rank + W, ...``, then as
+    many repeats of item 0 (``counted`` False) as make every rank's share ``ceil(n / W)`` long, so that every rank
+    runs the same number of forward calls (FSDP's all-gathers pair up across ranks) and each item is counted once
+    over all ranks. One process: every item, all counted."""
+    if not env.distributed:
+        return torch.arange(n), torch.ones(n, dtype=torch.bool)
+    own = torch.arange(env.rank, max(n, env.rank), env.world_size)  # a rank past the last item: none of its own
+    pad = -(-n // env.world_size) - own.numel()
+    return (torch.cat([own, torch.zeros(pad, dtype=torch.long)]),
+            torch.cat([torch.ones(own.numel(), dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)]))
+
+
 def all_true(flag: bool, env: DistEnv) -> bool:
     if not env.distributed:
         return flag

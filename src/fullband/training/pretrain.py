@@ -35,13 +35,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..data.corpus import batch_rows, build_corpus, load_tokenizer, special_ids
 from ..data.order import pool_batch_rows
 from ..data.shards import is_prepared, open_prepared
-from ..eval.scoring import evaluate_loss
+from ..eval.scoring import row_losses
 from ..model.configuration import FullBandwidthConfig
 from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
 from ..model.modeling import FullBandwidthForCausalLM, load_model
 from ..utils.io import atomic_save_pretrained, read_jsonl
 from .checkpoint import METRICS, RUN_CONFIG, SUMMARY, model_fingerprint
 from .config import DEFAULT_FUSION, TrainConfig, flag_name, same_value
+from . import distributed as D
 from .engine import Recipe, StepBatch, run
 from .presets import backbone_config
 
@@ -161,6 +162,17 @@ def spread_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
     return rows[torch.linspace(0, rows.shape[0] - 1, n).round().long()]
 
 
+@torch.no_grad()
+def split_loss(model, rows: torch.Tensor, env: D.DistEnv, mode: str, **options) -> float:
+    """The mean loss over ``rows`` (equal lengths, all positions predicted) in ``mode``, each rank scoring its own
+    share of them (:func:`fullband.training.distributed.rank_share`) and the sums all-reduced: the evaluation's work
+    divided by the number of ranks, not repeated on each (``options``: :func:`fullband.eval.scoring.row_losses`'s)."""
+    index, counted = D.rank_share(rows.shape[0], env)
+    per_row = row_losses(model, rows[index], mode, **options)
+    sums = D.all_reduce_sum(torch.stack([per_row[counted].sum(), counted.sum().double()]).to(env.device), env)
+    return float(sums[0] / sums[1])
+
+
 class PretrainRecipe(Recipe):
     """Packed rows of a corpus, all positions predicted; the global batch split over ranks and micro-batches."""
 
@@ -229,10 +241,9 @@ class PretrainRecipe(Recipe):
             return None
         rows = spread_rows(self.val_rows, cfg.eval_rows)
         bs = max(1, cfg.batch_size // env.world_size)
-        rec = {"val_loss": evaluate_loss(model, rows, "standard", batch_size=bs)["loss"],
-               "val_tokens": rows[:, 1:].numel()}
+        rec = {"val_loss": split_loss(model, rows, env, "standard", batch_size=bs), "val_tokens": rows[:, 1:].numel()}
         if cfg.num_passes > 1 and step > feedback_start:
-            rec["val_loss_passes"] = evaluate_loss(model, rows, "passes", num_passes=cfg.num_passes, batch_size=bs)["loss"]
+            rec["val_loss_passes"] = split_loss(model, rows, env, "passes", num_passes=cfg.num_passes, batch_size=bs)
             rec["val_num_passes"] = cfg.num_passes
         return rec
 

@@ -208,22 +208,27 @@ def load_init(cfg: SFTConfig, tokenizer=None):
 
 @torch.no_grad()
 def evaluate_sft_loss(model, enc: Encoded, mode: str = "standard", num_passes: int = 2, batch_size: int = 16,
-                      max_examples: int | None = None) -> dict:
+                      max_examples: int | None = None, env: D.DistEnv | None = None) -> dict:
     """Mean cross-entropy on the assistant tokens of ``enc`` (``standard`` / ``passes`` / ``exact`` as in
-    :func:`fullband.eval.scoring.evaluate_loss`)."""
+    :func:`fullband.eval.scoring.evaluate_loss`). Under ``env`` with several ranks each rank scores its own share of
+    the conversations (:func:`fullband.training.distributed.rank_share`) and the sums are all-reduced."""
     if mode not in EVAL_MODES:
         raise ValueError(f"unknown evaluation mode {mode!r}: choose one of {', '.join(EVAL_MODES)}")
     n = len(enc) if max_examples is None else min(len(enc), max_examples)
     if n == 0:
         raise ValueError("no held-out conversations to evaluate")
+    env = env or D.DistEnv()
+    share, counted = D.rank_share(n, env)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     pad = 0
     total, count = 0.0, 0
     try:
-        for i in range(0, n, batch_size):
-            b = {k: v.to(device) for k, v in collate(enc, range(i, min(n, i + batch_size)), pad).items()}
+        for i in range(0, len(share), batch_size):
+            b = collate(enc, share[i:i + batch_size].tolist(), pad)
+            b["labels"][~counted[i:i + batch_size]] = -100  # a repeat that evens the ranks' shares: not counted
+            b = {k: v.to(device) for k, v in b.items()}
             logits = mode_logits(model, b["input_ids"], mode, num_passes, b["attention_mask"])
             targets = b["labels"][:, 1:]
             total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
@@ -231,6 +236,8 @@ def evaluate_sft_loss(model, enc: Encoded, mode: str = "standard", num_passes: i
             count += int((targets != -100).sum())
     finally:
         model.train(was_training)
+    total, count = D.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64, device=device), env).tolist()
+    count = int(count)
     loss = total / max(1, count)
     return {"mode": mode, "num_passes": num_passes if mode == "passes" else (1 if mode == "standard" else None),
             "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
@@ -365,10 +372,10 @@ class SFTRecipe(Recipe):
             return None
         bs = max(1, cfg.batch_size // env.world_size // cfg.grad_accum)
         rec = {"val_loss": evaluate_sft_loss(model, self.val_enc, "standard", batch_size=bs,
-                                             max_examples=cfg.eval_rows)["loss"]}
+                                             max_examples=cfg.eval_rows, env=env)["loss"]}
         if cfg.num_passes > 1 and step > feedback_start:
             rec["val_loss_passes"] = evaluate_sft_loss(model, self.val_enc, "passes", cfg.num_passes, bs,
-                                                       cfg.eval_rows)["loss"]
+                                                       cfg.eval_rows, env=env)["loss"]
             rec["val_num_passes"] = cfg.num_passes
         return rec
 

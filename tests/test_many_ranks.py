@@ -1,5 +1,6 @@
-"""Checkpoints of replicated (DDP) runs at many ranks: rank 0 alone copies the replicas out to save, and a resumed
-rank maps the checkpoint's files instead of holding a private copy of them (16 bytes a parameter for AdamW)."""
+"""What must not grow with the number of ranks: rank 0 alone copies DDP replicas out to save; a resumed rank maps the
+checkpoint's files instead of holding a private copy of them (16 bytes a parameter for AdamW); the periodic
+evaluation is split over the ranks (each scores its share, the sums are reduced) instead of repeated on each."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import torch.multiprocessing as mp
 
 from fullband.training import checkpoint as C
 from fullband.training import distributed as D
+from fullband.training import pretrain as P
+from fullband.training.pretrain import split_loss
+from fullband.eval.scoring import row_losses
+
+from conftest import random_ids, reorder_rtol, tiny_model
 
 WORLD = 2
 STATE = {"tokens": 0, "elapsed": 0.0, "config": {}, "guard": {}}
@@ -89,3 +95,49 @@ def test_a_resumed_rank_maps_the_checkpoint_instead_of_copying_it(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     added_kib = int(out.stdout.split()[-1])
     assert added_kib < 12 * 1024 / 10, f"{added_kib} KiB of private memory for a 12 MiB checkpoint"
+
+
+def test_each_rank_scores_its_own_share_once():
+    for n, world in [(5, 2), (7, 3), (2, 4), (8, 2)]:
+        shares = [D.rank_share(n, D.DistEnv(rank=r, world_size=world, backend="gloo")) for r in range(world)]
+        assert len({len(i) for i, _ in shares}) == 1 and len(shares[0][0]) == -(-n // world)  # equal forward counts
+        counted = sorted(int(i) for index, c in shares for i in index[c])
+        assert counted == list(range(n))  # every row once over the ranks
+
+
+def _eval_worker(rank: int, root: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg-eval", rank=rank, world_size=WORLD)
+    env = D.DistEnv(rank=rank, world_size=WORLD, backend="gloo")
+    try:
+        model = tiny_model(fusion="glu")
+        seen = []
+        real = row_losses
+
+        def recording(model, rows, *args, **kwargs):
+            seen.append(rows.shape[0])
+            return real(model, rows, *args, **kwargs)
+
+        P.row_losses = recording  # this worker process only
+        rows = random_ids(5, 12, seed=3)
+        losses = [split_loss(model, rows, env, "standard", batch_size=2),
+                  split_loss(model, rows, env, "passes", num_passes=2, batch_size=2)]
+        with open(f"{root}/eval{rank}.json", "w") as f:
+            json.dump({"losses": losses, "rows": seen}, f)
+    finally:
+        D.shutdown(env)
+
+
+def test_the_periodic_evaluation_is_split_over_ranks_and_equals_one_process(tmp_path):
+    """5 rows on 2 ranks: each scores 3 (its own 3 and 2, the second evened with one uncounted repeat), and the
+    reduced mean equals the mean of every row scored in one process, written here from the per-row losses."""
+    mp.spawn(_eval_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    got = [json.load(open(tmp_path / f"eval{r}.json")) for r in range(WORLD)]
+    assert [g["rows"] for g in got] == [[3, 3], [3, 3]]
+    model, rows = tiny_model(fusion="glu"), random_ids(5, 12, seed=3)
+    with torch.no_grad():
+        want = [float(row_losses(model, rows, "standard").mean()),
+                float(row_losses(model, rows, "passes", num_passes=2).mean())]
+    for g in got:
+        for a, b in zip(g["losses"], want):
+            assert abs(a - b) <= reorder_rtol(5 * 11, 32, 64, 97) * abs(b)
