@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     q.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default: 1)")
     q.add_argument("--shard-mb", type=float, default=32.0, metavar="X",
                    help="MB of text per shard: the unit of work, of memory per worker and of resuming (default: 32)")
+    q.add_argument("--piece-mb", type=float, default=1.0, metavar="X",
+                   help="MB of one document read and tokenized at once: a longer document (a whole .txt file is "
+                        "one) is streamed in pieces cut at a space or newline between words (default: 1)")
     q.add_argument("--overwrite", action="store_true", help="replace prepared data of other settings in DIR")
     q.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     q.add_argument("--json", action="store_true", help="print the manifest and this run's throughput as JSON")
@@ -52,7 +55,7 @@ def run_prepare(args) -> int:
     result = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      val_fraction=args.val_fraction, seed=args.seed, workers=args.workers, shard_mb=args.shard_mb,
                      tokenizer_sample_mb=args.tokenizer_sample_mb, overwrite=args.overwrite, progress=args.progress,
-                     stop_after_shards=args.stop_after_shards)
+                     stop_after_shards=args.stop_after_shards, piece_mb=args.piece_mb)
     run = result["run"]
     if args.json:
         print(json.dumps(result, indent=2))

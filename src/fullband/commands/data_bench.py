@@ -1,12 +1,13 @@
 """``fullband data bench``: prepared data at scale, measured (a benchmark, not a test).
 
 Owns the benchmark: it writes a synthetic jsonl corpus of ``--gb`` GB (Zipf-distributed pseudo-words, documents
-of 100..4000 words, seeded) under ``--workdir``, runs ``fullband data prepare`` on it with ``--workers`` processes,
-then ``fullband train --steps 1`` on the prepared directory and on the embedded corpus; each command is a
-subprocess whose process tree is polled with psutil every 0.25 s for its peak memory (the main process's RSS,
-and the tree's PSS summed over its processes, workers included) and whose CPU-seconds are counted (the whole
-tree's, so the prepare's rate per CPU-second end to end includes reading, the split, the BPE and the main process). It prints one JSON object (load average and
-CPU count included) and deletes the generated files unless ``--keep``.
+of 100..4000 words, seeded; with ``--txt``, the same lines as one ``.txt`` file: a single document of ``--gb`` GB)
+under ``--workdir``, runs ``fullband data prepare`` on it with ``--workers`` processes, then ``fullband train
+--steps 1`` on the prepared directory and on the embedded corpus; each command is a subprocess whose process tree
+is polled with psutil every 0.25 s for its peak memory (the main process's RSS, and the tree's PSS summed over its
+processes, workers included) and whose CPU-seconds are counted (the whole tree's, so the prepare's rate per
+CPU-second end to end includes reading, the split, the BPE and the main process). It prints one JSON object (load
+average and CPU count included) and deletes the generated files unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -31,20 +32,25 @@ def add_bench_parser(group) -> None:
     b.add_argument("--gb", type=float, default=2.0, help="size of the synthetic jsonl corpus in GB (default: 2)")
     b.add_argument("--workers", type=int, default=2, help="prepare workers (default: 2)")
     b.add_argument("--workdir", default="/tmp/fullband-data-bench", help="where the corpus and outputs go")
+    b.add_argument("--txt", action="store_true",
+                   help="write the corpus as one .txt file: a single document of --gb GB (one line per jsonl document)")
     b.add_argument("--tokenizer-sample-mb", type=float, default=64.0, help="BPE training sample (default: 64)")
+    b.add_argument("--shard-mb", type=float, default=32.0, help="prepare --shard-mb (default: 32)")
+    b.add_argument("--piece-mb", type=float, default=1.0, help="prepare --piece-mb (default: 1)")
     b.add_argument("--skip-train", action="store_true", help="measure the prepare only")
     b.add_argument("--keep", action="store_true", help="keep the generated files")
     b.add_argument("--out-json", default=None, metavar="FILE", help="also write the result here")
     b.set_defaults(func=run_bench)
 
 
-def write_corpus(path: str, gb: float, seed: int = 0) -> dict:
-    """A jsonl file of at least ``gb`` GB of synthetic text; returns its size and document count.
+def write_corpus(path: str, gb: float, seed: int = 0, txt: bool = False) -> dict:
+    """A jsonl file of at least ``gb`` GB of synthetic text (``txt``: the same texts as the lines of a text file, one
+    document); returns its size and document count.
 
     A pool of 2048 documents of Zipf-distributed pseudo-words (20,000 of them, 1..9 letters) is drawn once; each
     line of the file joins the tail of one pool document to the head of another at random cut points (fast to
-    write: the text needs no JSON escaping). Lines are written in blocks of 4096 (about 55 MB), so the file
-    overshoots ``gb`` by up to one block."""
+    write: the text needs no JSON escaping). Lines are written in blocks of up to 4096 (about 55 MB); the last one
+    stops at the first line that reaches ``gb``."""
     rng = np.random.default_rng(seed)
     letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
     words = np.array(["".join(rng.choice(letters, size=rng.integers(1, 10))) for _ in range(20000)])
@@ -60,13 +66,20 @@ def write_corpus(path: str, gb: float, seed: int = 0) -> dict:
             lines = []
             for (i, j), (a, b) in zip(picks.tolist(), cuts.tolist()):
                 x, y = pool[i], pool[j]
-                lines.append('{"text": "' + x[int(a * len(x)):] + " " + y[:int(b * len(y)) + 1] + '"}\n')
+                text = x[int(a * len(x)):] + " " + y[:int(b * len(y)) + 1]
+                lines.append(text + "\n" if txt else '{"text": "' + text + '"}\n')
+            if size + sum(map(len, lines)) > target:  # the last block: up to the line that reaches the target
+                n, total = 0, size
+                while total < target:
+                    total += len(lines[n])
+                    n += 1
+                lines = lines[:n]
             chunk = "".join(lines)
             f.write(chunk)
             size += len(chunk)
             docs += len(lines)
     os.replace(tmp, path)
-    return {"path": path, "bytes": os.path.getsize(path), "documents": docs}
+    return {"path": path, "bytes": os.path.getsize(path), "documents": 1 if txt else docs}
 
 
 def measure(cmd: list[str], env: dict) -> dict:
@@ -113,14 +126,17 @@ def run_bench(args) -> int:
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     fb = [sys.executable, "-m", "fullband.cli"]
-    result = {"load_avg_start": list(os.getloadavg()), "cpus": os.cpu_count(), "gb": args.gb}
-    corpus, prep = os.path.join(work, "corpus.jsonl"), os.path.join(work, "prepared")
+    result = {"load_avg_start": list(os.getloadavg()), "cpus": os.cpu_count(), "gb": args.gb,
+              "format": "one .txt document" if args.txt else "jsonl"}
+    corpus = os.path.join(work, "corpus.txt" if args.txt else "corpus.jsonl")
+    prep = os.path.join(work, "prepared")
     try:
         t = time.perf_counter()
-        result["corpus"] = dict(write_corpus(corpus, args.gb), write_s=round(time.perf_counter() - t, 1))
+        result["corpus"] = dict(write_corpus(corpus, args.gb, txt=args.txt), write_s=round(time.perf_counter() - t, 1))
         shutil.rmtree(prep, ignore_errors=True)
         p = measure(fb + ["data", "prepare", corpus, "--out", prep, "--workers", str(args.workers), "--json",
-                          "--no-progress", "--tokenizer-sample-mb", str(args.tokenizer_sample_mb)], env)
+                          "--no-progress", "--tokenizer-sample-mb", str(args.tokenizer_sample_mb), "--shard-mb",
+                          str(args.shard_mb), "--piece-mb", str(args.piece_mb)], env)
         if p["rc"] != 0:
             raise ValueError(f"prepare failed: {p['stderr_tail'].strip().splitlines()[-1:]}")
         manifest = json.loads(p.pop("stdout"))

@@ -11,7 +11,11 @@ Owns the format (version :data:`FORMAT_VERSION`) and :func:`open_prepared`. A pr
   index order (the nanoGPT / Megatron-style flat token array: a row of the packed stream is one contiguous slice,
   read through ``np.memmap`` with no parsing and no copy of the file into memory);
 * ``shards/NNNNNN.{train,val}.docs.npy`` -- the document boundaries: int64 offsets of each document's first
-  token in the shard, then the shard's length.
+  token in the shard, then the shard's length. A document longer than a shard (``fullband data prepare`` cuts
+  shards by text size, and streams a long document in pieces) runs on into the next shards of its split: a shard
+  whose manifest entry has ``"continues": true`` starts with the rest of the previous shard's last document, its
+  offsets start with 0 for that run, and its ``documents`` count leaves it out (the key is absent otherwise, so
+  data of documents shorter than a shard is as before).
 
 :class:`TokenRows` exposes a split as the ``[num_rows, seq_len]`` rows the trainer indexes (the same packing
 as :func:`fullband.data.corpus.pack`: the concatenated stream cut into rows, the tail dropped), read on demand.
@@ -148,14 +152,20 @@ class PreparedCorpus:
         return hashlib.sha256(f"{self.manifest['sha256']}:{self.train_rows.seq_len}".encode()).hexdigest()
 
     def documents(self, split: str):
-        """Each document of ``split`` as an int64 array ``BOS ids EOS`` (in stream order)."""
+        """Each document of ``split`` as an int64 array ``BOS ids EOS`` (in stream order; a document that runs on
+        across shards, joined)."""
+        held = []  # the runs of the document not yet ended
         for shard in self.manifest["splits"][split]["shards"]:
-            if shard["tokens"] == 0:
-                continue
-            arr = np.memmap(os.path.join(self.path, shard["file"]), dtype=self.manifest["dtype"], mode="r")
+            arr = np.memmap(os.path.join(self.path, shard["file"]), dtype=self.manifest["dtype"], mode="r") if \
+                shard["tokens"] else np.zeros(0, dtype=self.manifest["dtype"])
             bounds = np.load(os.path.join(self.path, shard["docs"]))
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                yield np.asarray(arr[a:b], dtype=np.int64)
+            for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                if held and not (n == 0 and shard.get("continues")):
+                    yield np.concatenate(held)
+                    held = []
+                held.append(np.asarray(arr[a:b], dtype=np.int64))
+        if held:
+            yield np.concatenate(held)
 
 
 def open_prepared(path: str, seq_len: int) -> PreparedCorpus:
