@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import fullband
 from fullband import FeedbackSchedule, FullBandwidthConfig, FullBandwidthForCausalLM
-from fullband.model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+from fullband.model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask, prefix_row_seeds
 
 ATOL = 1e-5
 
@@ -184,10 +184,19 @@ def test_a_real_previous_document_state_is_not_used_at_a_document_start():
 
 def test_prefix_mixing_is_per_document_and_seeded():
     starts = document_starts(torch.tensor([[BOS, 5, 6, 7, 8, BOS, 9, 10, 11, 12, 13, 14]] * 64), BOS)
-    m1 = prefix_mixing_mask(starts, 0.5, torch.Generator().manual_seed(3))
-    m2 = prefix_mixing_mask(starts, 0.5, torch.Generator().manual_seed(3))
+    seeds = prefix_row_seeds(3, 0, range(64))
+    m1 = prefix_mixing_mask(starts, 0.5, seeds)
+    m2 = prefix_mixing_mask(starts, 0.5, seeds)
     assert torch.equal(m1, m2)
-    assert not torch.equal(m1, prefix_mixing_mask(starts, 0.5, torch.Generator().manual_seed(4)))
+    assert not torch.equal(m1, prefix_mixing_mask(starts, 0.5, prefix_row_seeds(4, 0, range(64))))
+    assert not torch.equal(m1, prefix_mixing_mask(starts, 0.5, prefix_row_seeds(3, 1, range(64))))  # another step
+    # a row's mask is that row's and its seed's alone: any subset of the rows, masked alone, gives the same rows
+    # (each rank masks its own rows as one process holding the global batch does), and padding after a row does
+    # not move its draws
+    assert torch.equal(prefix_mixing_mask(starts[40:48], 0.5, seeds[40:48]), m1[40:48])
+    wider = torch.cat([starts, torch.zeros(64, 3, dtype=torch.bool)], 1)
+    wider[:, 12] = True  # a padding segment after the row
+    assert torch.equal(prefix_mixing_mask(wider, 0.5, seeds)[:, :12], m1)
     for row in m1:
         for seg in (row[:5], row[5:]):
             # a plain prefix: once False, it stays False within the document; it starts at the doc start
@@ -197,8 +206,16 @@ def test_prefix_mixing_is_per_document_and_seeded():
     chosen_b = m1[:, 5]
     assert 0 < chosen_a.sum() < 64 and 0 < chosen_b.sum() < 64
     assert not torch.equal(chosen_a, chosen_b)  # documents are chosen independently
-    assert not prefix_mixing_mask(starts, 0.0, torch.Generator().manual_seed(0)).any()
-    assert (prefix_mixing_mask(starts, 1.0, torch.Generator().manual_seed(0))[:, [0, 5]]).all()
+    assert not prefix_mixing_mask(starts, 0.0, seeds).any()
+    assert (prefix_mixing_mask(starts, 1.0, seeds)[:, [0, 5]]).all()
+    # the draws' law: over 4,000 rows a document is chosen with probability 0.5 and a chosen document of 5
+    # keeps a plain prefix of length uniform in 1..5 (binomial and multinomial bounds of 4 sigma)
+    many = document_starts(torch.tensor([[BOS, 5, 6, 7, 8, BOS, 9, 10, 11, 12, 13, 14]] * 4000), BOS)
+    mask = prefix_mixing_mask(many, 0.5, prefix_row_seeds(9, 0, range(4000)))
+    chosen = mask[:, 0]
+    assert abs(chosen.float().mean() - 0.5) < 4 * (0.25 / 4000) ** 0.5
+    lengths = torch.bincount(mask[chosen, :5].sum(1), minlength=6)[1:].double() / int(chosen.sum())
+    assert (lengths - 0.2).abs().max() < 4 * (0.16 / int(chosen.sum())) ** 0.5
 
 
 # ----------------------------------------------------------------------------- scale

@@ -99,7 +99,7 @@ def test_training_flops_match_a_counted_training_step(num_passes, grad_passes):
     if grad_passes:  # what the engine logs for a truncated step
         record.update(passes_run=out.passes_run, grad_passes_run=out.grad_passes_run)
     fp = flop_parameters(model)
-    attention = training_flops([record], B * T, T, {**fp, "matmul_params": 0, "fusion_params": 0})["flops"]
+    attention = training_flops([record], B * T, T, {**fp, "matmul_params": 0, "head_params": 0, "fusion_params": 0})["flops"]
     linear = training_flops([record], B * T, T, {**fp, "layers": 0})["flops"]
     assert counts["aten.bmm"] == 2 * attention
     assert 0 <= linear / counts["aten.mm"] - 1 < 0.02

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
 import fullband
 from fullband.training.config import TrainConfig
@@ -62,7 +62,9 @@ def _trainer_and_engine_step(tmp_path, ids, sched: PassSchedule, **engine_option
     logged = trainer.state.log_history[0]
     assert logged["num_passes"] == sched.num_passes
     assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
-    assert [logged[f"loss_pass{i + 1}"] for i in range(sched.num_passes)] == pytest.approx(passes.tolist(), rel=1e-5)
+    scored = [i for i in range(sched.num_passes) if not torch.isnan(passes[i])]  # unscored passes: not logged
+    assert [logged.get(f"loss_pass{i + 1}") for i in range(sched.num_passes)] == [
+        pytest.approx(float(passes[i]), rel=1e-5) if i in scored else None for i in range(sched.num_passes)]
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     return model, logged, reference, loss, passes, mask
@@ -95,9 +97,25 @@ def test_trainer_takes_the_long_recurrence_and_loss_levers(tmp_path):
     assert sched.forward_options(1) == {"loss_chunk": 7, "z_loss": 0.01}  # a plain step: no recurrence options
     with pytest.raises(ValueError):
         PassSchedule(z_loss=-1.0)
-    _, _, _, loss, passes, _ = _trainer_and_engine_step(tmp_path, random_ids(1, 24, seed=5), sched, grad_passes=2,
-                                                        loss_chunk=7, z_loss=0.01)
-    assert float(loss) > float(passes[0] + passes[1:].mean()) + 1e-4  # the z-loss term is in the loss
+    _, logged, _, loss, passes, _ = _trainer_and_engine_step(tmp_path, random_ids(1, 24, seed=5), sched,
+                                                             grad_passes=2, loss_chunk=7, z_loss=0.01)
+    assert torch.isnan(passes[:2]).all() and "loss_pass1" not in logged  # the no-gradient passes: not scored
+    assert float(loss) > float(passes[2:].sum() / 3) + 1e-4  # the z-loss term is in the (trained part of the) loss
+
+
+def test_trainer_takes_the_exact_states(tmp_path):
+    """``PassSchedule(exact_states=True, grad_passes=2)``: a fed-back step through ``Trainer`` runs the exact states
+    and then 2 gradient passes, as the engine's step with ``exact_states`` does (same loss and pass losses, same
+    weights after the step); both gradient passes score the exact recurrence's loss."""
+    sched = PassSchedule(feedback_start=0.0, num_passes=2, deep_fraction=0.0, prefix_mix=0.0, feedback_ramp=0.0,
+                         fusion_lr_mult=10.0, reset_fusion=False, grad_passes=2, exact_states=True)
+    assert sched.forward_options(2) == {"exact_states": True} and sched.forward_options(1) == {}
+    with pytest.raises(ValueError, match="exact_states"):
+        PassSchedule(exact_states=True)  # no gradient passes
+    ids = random_ids(1, 24, seed=7)
+    _, logged, _, loss, passes, _ = _trainer_and_engine_step(tmp_path, ids, sched, exact_states=True)
+    assert passes.shape == (2,) and not torch.isnan(passes).any() and logged["num_passes"] == 2
+    assert float(loss) == pytest.approx(float(passes.mean()), rel=1e-6)
 
 
 def test_trainer_logs_the_pass_schedule(tmp_path):
@@ -166,3 +184,34 @@ def test_trainer_follows_a_pass_mix_and_resets_the_fusion_at_a_plain_start(tmp_p
     logs = [r for r in trainer.state.log_history if "num_passes" in r]
     assert [r["num_passes"] for r in logs] == want
     assert len(resets) == 1
+
+
+def test_switch_on_and_clipping_options_reach_the_trainer(tmp_path):
+    """``fusion_only``, ``fusion_warmup`` and ``clip_per_group`` of a ``TrainConfig`` are carried by
+    ``PassSchedule.from_train_config`` (they were dropped) and done by the trainer: in the fusion-only phase the
+    backbone does not move and the fusion does; the fusion groups' LR at step 0 is the warm-up's fraction of
+    ``fusion_lr_mult`` x LR (span round(0.5 x 4) = 2 steps: 1/2); bad fractions are refused."""
+    cfg = TrainConfig(out="x", steps=4, fusion_only=0.25, fusion_warmup=0.5, clip_per_group=False)
+    sched = PassSchedule.from_train_config(cfg, feedback_start=0.0, num_passes=2, deep_fraction=0.0, prefix_mix=0.0,
+                                           feedback_ramp=0.0, reset_fusion=False)
+    assert (sched.fusion_only, sched.fusion_warmup, sched.clip_per_group) == (0.25, 0.5, False)
+    with pytest.raises(ValueError, match="fusion_only"):
+        PassSchedule(fusion_only=1.5)
+    model = tiny_model(fusion="residual")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = FullBandwidthTrainer(model=model, args=trainer_args(tmp_path, 4, max_grad_norm=1.0),
+                                   train_dataset=Rows(random_ids(4, 16)), pass_schedule=sched)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    lrs = {g["name"]: g["lr"] for g in trainer.optimizer.param_groups}
+    assert lrs["fusion"] == pytest.approx(1e-3 * 10.0 * 0.5) and lrs["backbone"] == pytest.approx(1e-3)
+    moved = []
+
+    class AfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                moved.extend(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
+
+    trainer.add_callback(AfterFirstStep())
+    trainer.train()  # step 0 of 4: inside the fusion-only phase (round(0.25 x 4) = 1 step); steps 1..3 train all
+    assert moved and all(n.startswith("feedback.") for n in moved)
+    assert any(not torch.equal(p, before[n]) for n, p in model.backbone.named_parameters(prefix="backbone"))

@@ -4,6 +4,7 @@ evaluation is split over the ranks (each scores its share, the sums are reduced)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ import torch.multiprocessing as mp
 from fullband.training import checkpoint as C
 from fullband.training import distributed as D
 from fullband.training import pretrain as P
-from fullband.training.pretrain import split_loss
+from fullband.model.feedback import PREFIX_DRAWS
+from fullband.training.config import TrainConfig
+from fullband.training.pretrain import run_differences, split_loss, train
 from fullband.eval.scoring import row_losses
 
 from conftest import random_ids, reorder_rtol, tiny_model
@@ -141,3 +144,19 @@ def test_the_periodic_evaluation_is_split_over_ranks_and_equals_one_process(tmp_
     for g in got:
         for a, b in zip(g["losses"], want):
             assert abs(a - b) <= reorder_rtol(5 * 11, 32, 64, 97) * abs(b)
+
+
+def test_a_run_whose_prefix_draws_were_laid_out_by_an_older_version_is_not_reused(data, tmp_path):
+    """The prefix-mixing draws moved from one stream over the global batch to per-row seeds (so each rank draws
+    for its own rows): a finished run with prefix mixing from before that trained other masks and is not this run."""
+    cfg = TrainConfig(out=str(tmp_path / "run"), preset="micro", steps=2, seed=0, data=data, vocab_size=300,
+                      seq_len=32, batch_size=4, progress=False, tensorboard=False, plot=False, feedback_start=0.0,
+                      prefix_mix=0.5)
+    assert train(cfg)["status"] == "done" and run_differences(cfg) == []
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert summary.pop("prefix_draws") == PREFIX_DRAWS
+    with open(tmp_path / "run" / "summary.json", "w") as f:
+        json.dump(summary, f)  # as an older version wrote it
+    assert [d for d in run_differences(cfg) if "prefix-mixing draws" in d]
+    plain = dataclasses.replace(cfg, prefix_mix=0.0)  # no prefix mixing: no draws to differ
+    assert not [d for d in (run_differences(plain) or []) if "prefix-mixing draws" in d]

@@ -7,7 +7,7 @@ Importing the package registers ``FullBandwidthConfig`` / ``FullBandwidthForCaus
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .model.configuration import FullBandwidthConfig
-from .model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+from .model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask, prefix_row_seeds
 from .model.modeling import FullBandwidthForCausalLM, FullBandwidthOutput
 from .model.objective import combine_pass_losses
 from .training.schedule import FeedbackSchedule
@@ -19,5 +19,5 @@ AutoModelForCausalLM.register(FullBandwidthConfig, FullBandwidthForCausalLM, exi
 
 __all__ = [
     "FullBandwidthConfig", "FullBandwidthForCausalLM", "FullBandwidthOutput", "FeedbackSchedule",
-    "combine_pass_losses", "build_feedback_mask", "document_starts", "prefix_mixing_mask", "__version__",
+    "combine_pass_losses", "build_feedback_mask", "document_starts", "prefix_mixing_mask", "prefix_row_seeds", "__version__",
 ]

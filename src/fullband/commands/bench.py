@@ -409,6 +409,12 @@ def _add_train(sub) -> None:
                    help="also K2_chunk, the loss N positions at a time (fullband train --loss-chunk N)")
     p.add_argument("--memory", action="store_true",
                    help="measure each case's peak memory of a step (Linux) instead of its time")
+    p.add_argument("--exact", type=int, default=0, metavar="N",
+                   help="also exact_gN: the exact states (token by token, no gradient) then N gradient passes "
+                        "(fullband train --exact-states --grad-passes N), with its training FLOPs per step vs K1")
+    p.add_argument("--exact-reference", action="store_true",
+                   help="with --exact N: also KT1_gN, K = seq-len + 1 teacher-forced passes with --grad-passes N "
+                        "(the O(T^2) form it replaces; slow at long rows)")
     p.set_defaults(func=_run)
 
 

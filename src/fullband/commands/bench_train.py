@@ -5,7 +5,10 @@ Owns :func:`benchmark_train` (the full step: forward, backward, clip, AdamW, on 
 :func:`fullband.training.engine.forward_backward`, :func:`~fullband.training.engine.prepare_layers` and optimizer)
 and :func:`format_benchmark`; ``fullband bench`` (:mod:`fullband.commands.bench`) registers the sub-command.
 ``--compile`` adds the rows ``K1_compile`` and ``K2_compile``, ``--activation-checkpointing`` the row ``K2_ac``,
-``--loss-chunk N`` the row ``K2_chunk``. ``--memory`` measures instead of times: each case's peak memory during one
+``--loss-chunk N`` the row ``K2_chunk``, ``--exact N`` the row ``exact_gN`` (``--exact-states --grad-passes N``)
+and with ``--exact-reference`` the row ``KT1_gN`` (K = T + 1 passes, the last N with gradient: the quadratic form
+it replaces); every row reports its training FLOPs per step over K1's (:func:`fullband.eval.flops.training_flops`
+of the record the engine would log). ``--memory`` measures instead of times: each case's peak memory during one
 step above its memory before it (on CPU the resident set: Linux ``VmHWM``, reset through ``/proc/self/clear_refs``,
 with glibc serving every block over 1 MiB by its own ``mmap`` so that freed tensors leave the resident set; on CUDA
 ``torch.cuda.max_memory_allocated``).
@@ -20,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+from ..eval.flops import flop_parameters, training_flops
 from ..model.feedback import build_feedback_mask
 from ..model.modeling import FullBandwidthForCausalLM
 from ..training import distributed as D
@@ -94,6 +98,13 @@ def benchmark_train(args) -> dict:
         cases.append(("K2_ac", 2, False, {"checkpointing": True}))
     if chunk:
         cases.append(("K2_chunk", 2, False, {"loss_chunk": chunk}))
+    exact = getattr(args, "exact", 0)
+    if exact < 0:
+        raise ValueError(f"--exact must be >= 0 gradient passes (0: off), got {exact}")
+    if exact:
+        cases.append((f"exact_g{exact}", exact, False, {"forward": {"exact_states": True}}))
+        if getattr(args, "exact_reference", False):
+            cases.append((f"KT1_g{exact}", seq + 1, False, {"forward": {"grad_passes": exact}}))
     cfg = TrainConfig(out="-", preset=preset)
     setups = {}
     for label, K, detach, levers in cases:
@@ -102,18 +113,19 @@ def benchmark_train(args) -> dict:
                                                                     pad_token_id=0, max_position_embeddings=max(2048, seq)))
         model = FullBandwidthForCausalLM.from_backbone(backbone, doc_start_token_id=1, detach_state=detach).to(device).train()
         prepare_layers(model, levers.get("compile", False), levers.get("checkpointing", False))
-        setups[label] = (model, build_optimizer(model, cfg, device), K, levers.get("loss_chunk"))
+        setups[label] = (model, build_optimizer(model, cfg, device), K, levers.get("loss_chunk"),
+                         levers.get("forward", {}))
     mask = build_feedback_mask(ids, None, 1)
 
     last_cpu = {}  # the process CPU time of each case's last step (immune to other processes' load, one thread)
 
     def one_step(label) -> float:
-        model, opt, K, loss_chunk = setups[label]
+        model, opt, K, loss_chunk, forward = setups[label]
         if device.type == "cuda":
             torch.cuda.synchronize()
         c0, t0 = time.process_time(), time.perf_counter()
         forward_backward(model, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], K, autocast,
-                         loss_chunk=loss_chunk)
+                         loss_chunk=loss_chunk, **forward)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -136,13 +148,26 @@ def benchmark_train(args) -> dict:
         one_step(label)
         return (_rss_kib("VmHWM") - before) * 1024
 
+    fp = flop_parameters(next(iter(setups.values()))[0])
+
+    def flops_ratio(K: int, levers: dict) -> float:
+        """The case's training FLOPs per step over K1's, from the record the engine logs for such a step."""
+        forward = levers.get("forward", {})
+        record = {"num_passes": K}
+        if forward.get("exact_states"):
+            record.update(exact_states=True, passes_run=K, grad_passes_run=K)
+        elif forward.get("grad_passes"):
+            record.update(passes_run=K, grad_passes_run=forward["grad_passes"])
+        return (training_flops([record], batch * seq, seq, fp)["flops"]
+                / training_flops([{"num_passes": 1}], batch * seq, seq, fp)["flops"])
+
     if memory:  # the cases one after another (each case's warm-up first: compiled code, gradients, AdamW state)
         peaks = {}
         for label, *_ in cases:
             for _ in range(max(1, warmup)):
                 one_step(label)
             peaks[label] = [peak_bytes(label) for _ in range(steps)]
-        results = {label: {"num_passes": K, "detach_state": detach, **levers,
+        results = {label: {"num_passes": K, "detach_state": detach, **levers, "flops_vs_K1": flops_ratio(K, levers),
                            "peak_step_bytes": min(peaks[label]), "peak_step_bytes_all": peaks[label]}
                    for label, K, detach, levers in cases}
         return {"preset": preset, "batch_size": batch, "seq_len": seq, "vocab_size": vocab, "device": str(device),
@@ -163,11 +188,14 @@ def benchmark_train(args) -> dict:
         ts = sorted(times[label])
         med = ts[len(ts) // 2]
         results[label] = {"num_passes": K, "detach_state": detach, **levers, "step_s": med,
+                          "flops_vs_K1": flops_ratio(K, levers),
                           "tokens_per_s": batch * seq / med, "step_s_min": ts[0], "step_s_all": times[label],
                           "step_cpu_s": sorted(cpu_times[label])[len(ts) // 2], "step_cpu_s_all": cpu_times[label]}
     for label in list(results):  # a lever's speed against the same K without it (wall clock and CPU time)
         base = label.split("_")[0]
-        if label not in ("K2_detach", base):
+        if base in ("exact", "KT1"):  # against the plain step instead: the cost of the whole recurrence
+            results[label]["cpu_vs_K1"] = results[label]["step_cpu_s"] / results["K1"]["step_cpu_s"]
+        elif label not in ("K2_detach", base):
             results[label]["speedup_vs_" + base] = results[base]["step_s"] / results[label]["step_s"]
             results[label]["cpu_speedup_vs_" + base] = results[base]["step_cpu_s"] / results[label]["step_cpu_s"]
     ratio = results["K2"]["step_s"] / results["K1"]["step_s"]
@@ -184,16 +212,20 @@ def format_benchmark(res: dict) -> str:
             f"vocabulary {res['vocab_size']:,}, {res['device']} {res['precision']}, {res['threads']} thread(s), "
             f"load {res['load_average'][0]} -> {res['load_average'][1]}")
     if res.get("memory"):
-        lines = [head + f", least of {res['steps']} steps", "", "| case | peak memory of a step (MiB) |",
-                 "| --- | ---: |"]
-        lines += [f"| {label} | {r['peak_step_bytes'] / 2**20:,.1f} |" for label, r in res["results"].items()]
+        lines = [head + f", least of {res['steps']} steps", "",
+                 "| case | peak memory of a step (MiB) | training FLOPs / K1 |", "| --- | ---: | ---: |"]
+        lines += [f"| {label} | {r['peak_step_bytes'] / 2**20:,.1f} | {r['flops_vs_K1']:.2f} |"
+                  for label, r in res["results"].items()]
         return "\n".join(lines)
     lines = [head + f", median of {res['steps']} steps",
-             "", "| case | step (s) | CPU time (s) | tokens/s | speed-up over the same K without the lever (wall, CPU) |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "", "| case | step (s) | CPU time (s) | tokens/s | training FLOPs / K1 | CPU time / K1 | speed-up over the "
+                 "same K without the lever (wall, CPU) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for label, r in res["results"].items():
         gain = ", ".join(f"{v:.2f}x" for k, v in r.items() if "speedup_vs_" in k)
-        lines.append(f"| {label} | {r['step_s']:.3f} | {r['step_cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | {gain} |")
+        cpu = r["step_cpu_s"] / res["results"]["K1"]["step_cpu_s"]
+        lines.append(f"| {label} | {r['step_s']:.3f} | {r['step_cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['flops_vs_K1']:.2f} | {cpu:.2f} | {gain} |")
     lines += ["", f"K=2 / K=1 = {res['ratio_K2_K1']:.2f} (goal <= {res['goal_ratio_K2_K1']}: "
                   f"{'met' if res['meets_goal'] else 'NOT met'}); K=2 detached / K=1 = {res['ratio_K2_detach_K1']:.2f}"]
     return "\n".join(lines)

@@ -29,21 +29,31 @@ def training_flops(records: list[dict], tokens_per_step: int, seq_len: int, fp: 
     Per token, a pass with gradient costs ``6·N + 6·L·T·d`` (forward 2, backward 4 FLOPs per matmul weight; the
     attention scores and their weighted sum over the causal half of the ``T x T`` matrix) plus ``6·N_fusion`` when
     it is fused (passes 2..K); a pass without gradient (the first K - N of ``--grad-passes N``) costs its forward
-    only, a third of that. A record's ``passes_run`` / ``grad_passes_run`` (logged with ``--grad-passes`` or
+    only and projects no position through the LM head (it is not scored: the K-pass forward computes no logits
+    there), ``2·(N - N_head) + 2·L·T·d`` plus ``2·N_fusion`` when fused. A record's ``passes_run`` / ``grad_passes_run`` (logged with ``--grad-passes`` or
     ``--pass-tol``: the passes that ran, means over micro-batches) override ``num_passes`` (all with gradient).
     ``N`` counts the norms' gains as weights too (``flop_parameters``), under 1% of a backbone's matmul weights.
+    A record with ``exact_states`` (``--exact-states``) ran the token-by-token recurrence first, without gradient
+    and without logits (a forward pass without the LM head, fused: the attention over the cached keys costs what
+    a causal pass's does), then its ``passes_run`` teacher-forced passes, every one fused and with gradient.
     """
     per_pass = 6.0 * fp["matmul_params"] + 6.0 * fp["layers"] * seq_len * fp["hidden"]
+    free_pass = 2.0 * (fp["matmul_params"] - fp["head_params"]) + 2.0 * fp["layers"] * seq_len * fp["hidden"]
     fused = 6.0 * fp["fusion_params"]
     steps = [r for r in records if r.get("split", "train") == "train" and "num_passes" in r]
     passes = flops_per_token = 0.0
     for r in steps:
+        if r.get("exact_states"):
+            run = float(r["passes_run"])
+            passes += run
+            flops_per_token += free_pass + fused / 3.0 + run * (per_pass + fused)
+            continue
         run = float(r.get("passes_run", r["num_passes"]))
         grad = min(float(r.get("grad_passes_run", run)), run)
         fused_grad = min(grad, run - 1.0)  # the gradient passes are the last ones; pass 1 is never fused
         fused_free = run - 1.0 - fused_grad
         passes += run
-        flops_per_token += (grad * per_pass + (run - grad) * per_pass / 3.0
+        flops_per_token += (grad * per_pass + (run - grad) * free_pass
                             + fused_grad * fused + fused_free * fused / 3.0)
     flops = tokens_per_step * flops_per_token
     passes = int(passes) if passes == int(passes) else passes

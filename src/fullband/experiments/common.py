@@ -101,9 +101,11 @@ def plain_config(cfg):
 
 
 def plain_step_equivalents(num_passes: int, grad_passes: int = 0) -> float:
-    """A step of K passes in plain-step FLOPs, as :func:`fullband.eval.flops.training_flops` counts them: a pass
-    with gradient 1, a pass without (the first K - N of ``--grad-passes N``) its forward, 1/3; the fusion's own
-    FLOPs (under 1% of a pass) left out."""
+    """A step of K passes in plain-step FLOPs: a pass with gradient 1, a pass without (the first K - N of
+    ``--grad-passes N``) 1/3, its forward; the fusion's own FLOPs (under 1% of a pass) left out. A pass without
+    gradient projects no position through the LM head (:func:`fullband.eval.flops.training_flops` counts it at
+    ``2·(N - N_head) + 2·L·T·d``, a little under 1/3), so the plain control matched with this is given at least the
+    FBT run's FLOPs: the comparison errs in the baseline's favour."""
     grad = num_passes if grad_passes <= 0 or num_passes == 1 else min(grad_passes, num_passes)
     return grad + (num_passes - grad) / 3.0
 

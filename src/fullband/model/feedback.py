@@ -8,7 +8,8 @@ Owns
   snapshot of the live weights; who may hold one, for how long: :func:`gate_table_pays` and the model's
   ``frozen_gate_table()``);
 * the feedback mask (where a position has a previous state: never at position 0, a document start / BOS,
-  or padding, nor right after padding), per-document prefix mixing, and document segmentation;
+  a packed sample's start (its position id restarts), or padding, nor right after padding), per-document prefix
+  mixing, and document segmentation;
 * shifting a pass's hidden states right by one and the training-time jitter on the fed-back state;
 * position ids that skip padding, and the backbone's position limit.
 
@@ -21,6 +22,8 @@ init; training re-measures it when feedback switches on); ``residual`` starts as
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import math
 import warnings
@@ -153,11 +156,27 @@ def fuse_where(mask: torch.Tensor, fused: torch.Tensor, token_embeds: torch.Tens
 # ----------------------------------------------------------------------------------------------- masks
 
 
+def position_restarts(position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Bool ``[batch, length]``: True where a new sequence starts by its position ids -- a position id 0, or one
+    that is not its left neighbour's plus one. That is Hugging Face's own rule for packed, padding-free rows
+    (``masking_utils.find_packed_sequence_indices``: a sample's attention ends there too), e.g. TRL's packing,
+    whose position ids restart at 0 for every packed sample. ``position_ids``: ``[B, T]``, ``[1, T]`` or ``[T]``
+    (multimodal ``[3, B, T]`` ids: the first, temporal, row)."""
+    pos = position_ids[0] if position_ids.dim() == 3 else position_ids
+    pos = pos.reshape(-1, pos.shape[-1])[:, -length:].expand(batch, length)
+    restarts = pos == 0
+    restarts[:, 1:] |= pos[:, 1:] - pos[:, :-1] != 1
+    return restarts
+
+
 def document_starts(input_ids: torch.Tensor, doc_start_token_id: int | None = None,
-                    attention_mask: torch.Tensor | None = None, has_prev_state: bool = False) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None = None, has_prev_state: bool = False,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Bool ``[B, T]``: True where a position has no previous state to take.
 
-    That is every ``doc_start_token_id`` (BOS), the first real token after padding, and position 0 unless
+    That is every ``doc_start_token_id`` (BOS), the first real token after padding, every start of a packed
+    sample by ``position_ids`` when they are given (:func:`position_restarts`: packed rows without a BOS, as
+    TRL's padding-free packing or a tokenizer that adds none, such as Qwen2's), and position 0 unless
     ``has_prev_state`` (a continuation whose previous position's state is known, as in cached decoding).
     ``attention_mask`` may be longer than ``input_ids`` (cached tokens first); its column just before the
     current tokens then says whether the previous position was real.
@@ -166,6 +185,8 @@ def document_starts(input_ids: torch.Tensor, doc_start_token_id: int | None = No
     starts = torch.zeros_like(input_ids, dtype=torch.bool)
     if doc_start_token_id is not None:
         starts |= input_ids == doc_start_token_id
+    if position_ids is not None:
+        starts |= position_restarts(position_ids.to(input_ids.device), B, T)
     if not has_prev_state:
         starts[:, 0] = True
     if attention_mask is not None:
@@ -178,42 +199,61 @@ def document_starts(input_ids: torch.Tensor, doc_start_token_id: int | None = No
 
 
 def build_feedback_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        doc_start_token_id: int | None = None, has_prev_state: bool = False) -> torch.Tensor:
+                        doc_start_token_id: int | None = None, has_prev_state: bool = False,
+                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Bool ``[B, T]``: where a position may take the previous position's state.
 
-    False at position 0 (unless ``has_prev_state``), at document starts (BOS), at padding and at the first
-    token after padding, so no state ever crosses a document boundary or comes out of padding.
+    False at position 0 (unless ``has_prev_state``), at document starts (BOS, and packed samples' starts by
+    ``position_ids``), at padding and at the first token after padding, so no state ever crosses a document
+    boundary or comes out of padding.
     """
-    mask = ~document_starts(input_ids, doc_start_token_id, attention_mask, has_prev_state)
+    mask = ~document_starts(input_ids, doc_start_token_id, attention_mask, has_prev_state, position_ids)
     if attention_mask is not None:
         mask &= attention_mask[:, -input_ids.shape[1]:].bool()
     return mask
 
 
-def prefix_mixing_mask(doc_starts: torch.Tensor, probability: float,
-                       generator: torch.Generator | None = None) -> torch.Tensor:
+PREFIX_DRAWS = 2  # the layout of the prefix-mixing draws (2: per row, seeded by the row's place in the run)
+
+
+def prefix_row_seeds(seed: int, step: int, rows, micro: int = 0) -> list[int]:
+    """The seeds of the prefix-mixing draws of rows ``rows`` (their indices in the step's global batch) of training
+    step ``step`` (and micro-batch ``micro``, for trainers that number them): each a function of ``(seed, step,
+    micro, row)`` alone -- a 63-bit BLAKE2b digest, the same on every platform and process -- so a rank draws for
+    its own rows only and N ranks mask exactly as one process holding the global batch, without building it."""
+    return [int.from_bytes(hashlib.blake2b(f"fullband prefix mix {int(seed)} {int(step)} {int(micro)} {int(r)}"
+                                           .encode(), digest_size=8).digest(), "big") >> 1 for r in rows]
+
+
+def prefix_mixing_mask(doc_starts: torch.Tensor, probability: float, row_seeds) -> torch.Tensor:
     """Bool ``[B, T]``, True where a position keeps its plain embedding because of prefix mixing.
 
     Each document (a segment starting at a True of ``doc_starts``; position 0 always starts one) is chosen with
-    ``probability``; a chosen document of length n keeps a plain prefix of length uniform in 1..n. The draws
-    come from ``generator`` (a fixed number of draws per call, so a seeded generator gives the same masks).
+    ``probability``; a chosen document of length n keeps a plain prefix of length uniform in 1..n. Row i's draws
+    come from a generator seeded with ``row_seeds[i]`` (:func:`prefix_row_seeds`), two uniforms per document in
+    the row's order, so a row's mask depends on that row and its seed alone: not on the other rows of the batch,
+    nor on padding added after it.
     """
     if not 0.0 <= probability <= 1.0:
         raise ValueError(f"prefix-mixing probability must be in [0, 1], got {probability}")
     B, T = doc_starts.shape
-    device = doc_starts.device
-    starts = doc_starts.clone()
+    row_seeds = list(row_seeds)
+    if len(row_seeds) != B:
+        raise ValueError(f"prefix_mixing_mask needs one seed per row: {len(row_seeds)} seeds for {B} rows")
+    starts = doc_starts.detach().cpu().clone()
     starts[:, 0] = True
-    seg = starts.long().cumsum(1) - 1 + torch.arange(B, device=device).unsqueeze(1) * T  # global segment id
-    pos = torch.arange(T, device=device).expand(B, T)
-    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(1).values
-    offset = pos - start_pos
-    seg_len = torch.zeros(B * T, dtype=torch.long, device=device).scatter_add_(0, seg.flatten(),
-                                                                              torch.ones_like(seg.flatten()))
-    draws = torch.rand(2, B * T, generator=generator, device=generator.device if generator else "cpu").to(device)
-    chosen = draws[0] < probability
-    prefix = (draws[1] * seg_len).floor().long() + 1
-    return chosen[seg] & (offset < prefix[seg])
+    seg = starts.long().cumsum(1) - 1  # document index within its row
+    pos = torch.arange(T).expand(B, T)
+    offset = pos - torch.where(starts, pos, torch.zeros_like(pos)).cummax(1).values
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, row_seed in enumerate(row_seeds):
+        n = int(seg[i, -1]) + 1
+        lengths = torch.bincount(seg[i], minlength=n)
+        u = torch.rand(n, 2, generator=torch.Generator().manual_seed(row_seed), dtype=torch.float64)
+        chosen = u[:, 0] < probability
+        prefix = (u[:, 1] * lengths).floor().long() + 1
+        mask[i] = chosen[seg[i]] & (offset[i] < prefix[seg[i]])
+    return mask.to(doc_starts.device)
 
 
 # ------------------------------------------------------------------------------------------------ gate table

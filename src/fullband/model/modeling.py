@@ -33,6 +33,7 @@ from .feedback import (
     jitter,
     max_positions,
     position_ids_from_mask,
+    position_restarts,
     positions,
     shift_right,
 )
@@ -42,6 +43,13 @@ from .objective import combine_pass_losses
 from .outputs import FullBandwidthOutput
 
 StateHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def _zero_unscored(terms: list) -> list:
+    """A pass's objective terms with the passes not scored (``None``: run without gradient, no loss computed) as
+    zeros: the objective's part that has gradient, whose backward is the whole objective's."""
+    ref = next(t for t in terms if t is not None)
+    return [ref.new_zeros(()) if t is None else t for t in terms]
 
 
 def embedding_rms(embeddings) -> float:
@@ -259,7 +267,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 num_items_in_batch: torch.Tensor | None = None, feedback_weight: float | None = None,
                 state_hook: StateHook | None = None, grad_passes: int | None = None,
                 pass_tol: float | None = None, loss_chunk: int | None = None, z_loss: float | None = None,
-                **kwargs) -> FullBandwidthOutput:
+                score_all_passes: bool = False, exact_states: bool = False, **kwargs) -> FullBandwidthOutput:
         """K-pass teacher-forced forward: the one place the K passes are written.
 
         Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
@@ -271,16 +279,26 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         training loop ramps it at the feedback switch-on). ``state_hook(k, state)`` (analysis interventions) may
         replace the shifted state ``[B, T, d]`` fed to pass ``k + 1`` (k = 1..K-1) before it is fused.
 
+        Packed rows (several samples in one row, as TRL's padding-free packing gives them: ``position_ids`` that
+        restart at 0 per sample and no ``attention_mask``): the default feedback mask starts a document wherever
+        the given ``position_ids`` restart (:func:`fullband.model.feedback.position_restarts`), so no state crosses
+        from one packed sample into the next, as the backbone's attention does not.
+
         Long recurrences (K up to the row length; K = T is the exact recurrence on T positions, pass k being exact
-        at positions < k): ``grad_passes`` = N runs passes 1..K-N without gradient (their losses are reported,
-        detached, so they stay in ``loss``'s value but not in its backward) and only the last N with gradient,
-        the first of them fed a state that carries none (truncated backpropagation through the passes; ``None``:
-        all K). ``pass_tol`` stops the passes early once the fed-back states stop changing: after pass k >= 2,
+        at positions < k): ``grad_passes`` = N runs passes 1..K-N without gradient and only the last N with
+        gradient, the first of them fed a state that carries none (truncated backpropagation through the passes;
+        ``None``: all K). The passes without gradient compute no logits and no loss (their states are all the
+        next pass needs; at a large vocabulary the LM head and cross-entropy are a fifth of a pass and a
+        ``[B, T, V]`` fp32 tensor): their ``pass_losses`` entries are NaN (not scored), and ``loss`` is the
+        objective's part that has gradient, ``L_1 + λ·mean(L_2..L_K)`` with the unscored passes' terms (constants
+        without gradient) as 0. ``score_all_passes=True`` scores them too (as before: their losses detached, in
+        ``loss``'s value but not in its backward) for a log of every pass. ``pass_tol`` stops the passes early once the fed-back states stop changing: after pass k >= 2,
         when ``max|h_k - h_{k-1}| / max|h_{k-1}| < pass_tol`` (over the whole batch: under ``torch.distributed``
         the two maxima are all-reduced over the default group, so every rank makes this call and stops alike), the
         no-gradient passes still to come are skipped (the last N gradient passes always run, from the converged
         state) or, when every pass has gradient, the passes end there. Each skipped pass is reported with the loss
-        of the pass the passes stopped at (the fixed point's), so ``pass_losses`` always has K entries;
+        of the pass the passes stopped at (the fixed point's; NaN when that pass was not scored), so
+        ``pass_losses`` always has K entries;
         ``passes_run`` and ``pass_changes`` (the relative change after each pass from the second) say what ran.
 
         Memory at large vocabularies: ``loss_chunk`` = N (with ``labels``) computes no logits at all (``logits`` is
@@ -288,17 +306,32 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         logits recomputed in the backward (:mod:`fullband.model.lm_loss`). ``z_loss`` = c adds the PaLM z-loss
         ``c · mean(logsumexp^2)`` over the supervised tokens to every pass's loss (combined over the passes as the
         losses are); ``pass_losses`` stay the cross-entropies and ``z_loss`` reports the added term.
+
+        The exact recurrence at linear cost: ``exact_states=True`` first runs the token-by-token recurrence
+        (:meth:`recurrent_forward`, through the backbone's KV cache, without gradient and without logits), which
+        gives the exact final hidden state of every position, then ``num_passes`` = N teacher-forced passes with
+        gradient, the first fed the exact states shifted right by one (so its output is the exact recurrence's, to
+        rounding), each next one fed the one before (the gradient flows through these N passes and their chain of
+        states, not through the token-by-token pass). It equals ``num_passes = T + 1 + N, grad_passes = N`` (the
+        passes without gradient reach the exact states at pass T + 1) at the cost of two passes' forwards plus N
+        gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
+        no plain pass, so ``feedback_weight`` does not apply) and ``pass_losses`` has N entries. It takes no
+        ``prev_hidden``, ``cache``, ``grad_passes`` or ``pass_tol``.
         """
         kwargs.pop("return_dict", None)
         kwargs.pop("output_hidden_states", None)
         kwargs.pop("inputs_embeds", None)
+        if exact_states and (prev_hidden is not None or cache is not None or use_cache or grad_passes is not None
+                             or pass_tol is not None):
+            raise ValueError("exact_states runs the whole recurrence itself, then num_passes gradient passes: it "
+                             "takes no prev_hidden, cache, use_cache, grad_passes or pass_tol")
         past_length = cache.get_seq_length() if cache is not None else 0
         self.check_inputs(input_ids, attention_mask, labels, feedback_mask, num_passes, past_length)
         if num_passes > 1 and past_length:
             raise ValueError("num_passes > 1 needs an empty cache: every pass re-reads the whole sequence")
-        if feedback_mask is None:
+        if feedback_mask is None:  # the position ids as given: packed samples' starts (none derived from padding)
             feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id,
-                                                has_prev_state=prev_hidden is not None)
+                                                has_prev_state=prev_hidden is not None, position_ids=position_ids)
         feedback_mask = feedback_mask.bool()
         T = input_ids.shape[1]
         if position_ids is None and attention_mask is not None:
@@ -324,10 +357,19 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         loss_kwargs = {"loss_chunk": loss_chunk if chunked else 0, "z_loss": z_loss or 0.0}
         if num_items_in_batch is not None:
             loss_kwargs["num_items_in_batch"] = num_items_in_batch
-        # passes 0..first_grad-1 run without gradient (0-based); the last n_grad with it
+        # passes 0..first_grad-1 run without gradient (0-based), scored only with score_all_passes; the last n_grad
+        # with it
+        exact = None
+        if exact_states:  # pass 0: the exact recurrence's states (no gradient, no logits), then N gradient passes
+            with torch.no_grad():
+                exact = self.recurrent_forward(input_ids, attention_mask, feedback_mask, position_ids,
+                                               need_logits=False).last_hidden_state
+            num_passes += 1
         n_grad = num_passes if grad_passes is None else min(grad_passes, num_passes)
-        first_grad = num_passes - n_grad
+        first_grad = 1 if exact_states else num_passes - n_grad
+        first_scored = 0 if score_all_passes else first_grad
         grad_on = torch.is_grad_enabled()
+        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)  # HF's logits_to_keep: no position
 
         token_embeds = self.get_input_embeddings()(input_ids)
         # per pass: the objective's term (with its graph on gradient passes), the cross-entropy and the z-loss
@@ -336,6 +378,9 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         k = 0
         while k < num_passes:
             last = k == num_passes - 1
+            if k == 0 and exact is not None:  # the exact states stand in for pass 0's output
+                hidden, k = exact, 1
+                continue
             if k == 0:
                 state = None
                 if prev_hidden is not None:
@@ -359,21 +404,27 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                     if self.config.detach_state:
                         state = state.detach()
                     inputs = fuse_where(pass_mask, self.fuse(state, input_ids, token_embeds), token_embeds)
-                keep = logits_to_keep if (last or labels is not None or pass_tol is not None) else 1
-                if chunked:  # HF's logits_to_keep as an index tensor: no position, no logits
-                    keep = torch.empty(0, dtype=torch.long, device=input_ids.device)
+                scored = labels is not None and k >= first_scored
+                keep = logits_to_keep if (last or scored or (pass_tol is not None and k >= first_grad)) else 1
+                if chunked or k < first_scored:  # the LM head on no position: no logits
+                    keep = no_logits
                 previous = hidden
                 logits, hidden, step_cache, _ = self._backbone_pass(inputs, attention_mask, position_ids,
                                                                     cache=cache if last else None,
                                                                     use_cache=bool(use_cache) and last,
                                                                     logits_to_keep=keep, **kwargs)
-                if labels is not None:
+                if scored:
                     ce, z = self._pass_loss(logits, hidden, labels, **loss_kwargs)
                     term = ce if z is None else ce + z
                     terms.append(term if k >= first_grad else term.detach())
-                    pass_losses.append(ce.detach())
+                    pass_losses.append(ce.detach().float())
                     if z is not None:
                         z_terms.append(z.detach())
+                elif labels is not None:  # not scored: no term (0 in the loss), NaN reported
+                    terms.append(None)
+                    pass_losses.append(hidden.new_full((), float("nan"), dtype=torch.float32))
+                    if loss_kwargs["z_loss"]:
+                        z_terms.append(None)
             if last:
                 out_cache = step_cache
             ran_grad += k >= first_grad
@@ -399,12 +450,17 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                     store += [store[-1]] * skipped
             k = nxt
         weight = self.config.feedback_weight if feedback_weight is None else feedback_weight
-        loss = combine_pass_losses(terms, weight) if terms else None
-        passes_run = num_passes if pass_tol is None else len(changes) + 1
+        if exact_states:  # every pass is the exact recurrence's: their mean, no plain pass to weigh against
+            loss = torch.stack(terms).mean() if terms else None
+            z_total = torch.stack(z_terms).mean() if z_terms else None
+        else:
+            loss = combine_pass_losses(_zero_unscored(terms), weight) if terms else None
+            z_total = combine_pass_losses(_zero_unscored(z_terms), weight) if z_terms else None
+        passes_run = num_passes - (exact is not None) if pass_tol is None else len(changes) + 1
         return FullBandwidthOutput(
             loss=loss, logits=None if chunked else logits, last_hidden_state=hidden, cache=out_cache,
             pass_losses=torch.stack(pass_losses) if pass_losses else None,
-            z_loss=combine_pass_losses(z_terms, weight) if z_terms else None,
+            z_loss=z_total,
             passes_run=passes_run, grad_passes_run=ran_grad if grad_on else 0,
             pass_changes=changes if pass_tol is not None else None,
         )
@@ -415,7 +471,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
     def recurrent_forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                           feedback_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
                           *, cache: Cache | None = None, state_hook: StateHook | None = None,
-                          output_hidden_states: bool = False) -> FullBandwidthOutput:
+                          output_hidden_states: bool = False, need_logits: bool = True) -> FullBandwidthOutput:
         """The true token-by-token recurrence with the backbone's KV cache -- the one place it is written: position
         t takes ``fusion(h_{t-1}, e_t)`` wherever the feedback mask allows (the plain embedding elsewhere), where
         ``h_{t-1}`` is the final hidden state this very recurrence produced one step earlier.
@@ -423,12 +479,27 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         ``cache`` (empty) is filled and returned (decoding's ``exact`` prefill continues from it); ``state_hook(t,
         h_prev)`` may replace the state fused at step t (analysis interventions); ``output_hidden_states`` also
         returns every layer's residual stream. Returns logits ``[B, T, V]``, ``last_hidden_state`` ``[B, T, d]``
-        and ``inputs_embeds`` (what entered the backbone). No jitter, no gradient."""
+        and ``inputs_embeds`` (what entered the backbone). No jitter, no gradient. ``need_logits=False`` projects
+        no position through the LM head (``logits`` is then ``None``): the states are all that is wanted.
+
+        Packed rows (``position_ids`` that restart, no ``attention_mask``: see :meth:`forward`): each packed sample
+        runs as a sequence of its own (its own cache: the backbone's attention over the whole row keeps the samples
+        apart just so), its state reset at its start; such rows fill no ``cache`` and take no ``state_hook``."""
         self.check_inputs(input_ids, attention_mask, None, feedback_mask)
         B, T = input_ids.shape
         if feedback_mask is None:
-            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id)
+            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id,
+                                                position_ids=position_ids)
         feedback_mask = feedback_mask.bool().to(input_ids.device)
+        if position_ids is not None and attention_mask is None:
+            restarts = position_restarts(position_ids.to(input_ids.device), B, T)
+            restarts[:, 0] = False
+            if restarts.any():
+                if cache is not None or state_hook is not None:
+                    raise ValueError("packed rows (position_ids that restart) take no cache and no state_hook in "
+                                     "recurrent_forward: run each packed sample on its own for those")
+                return self._recurrent_packed(input_ids, feedback_mask, position_ids, restarts, output_hidden_states,
+                                              need_logits)
         if position_ids is None:
             position_ids = positions(attention_mask, B, T, input_ids.device)
         position_ids = position_ids.expand(B, -1)
@@ -443,7 +514,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 inp = fuse_where(feedback_mask[:, t:t + 1], self.fuse(state, input_ids[:, t:t + 1], inp), inp)
             logits, prev, cache, hs = self._backbone_pass(
                 inp, attention_mask[:, :t + 1] if attention_mask is not None else None,
-                position_ids[:, t:t + 1], cache=cache, use_cache=True, output_hidden_states=output_hidden_states)
+                position_ids[:, t:t + 1], cache=cache, use_cache=True, output_hidden_states=output_hidden_states,
+                logits_to_keep=0 if need_logits else torch.empty(0, dtype=torch.long, device=input_ids.device))
             all_logits.append(logits)
             all_hidden.append(prev)
             inputs.append(inp)
@@ -452,9 +524,33 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 for store, h in zip(layers, hs):
                     store.append(h)
         return FullBandwidthOutput(
-            logits=torch.cat(all_logits, 1), last_hidden_state=torch.cat(all_hidden, 1), cache=cache,
+            logits=torch.cat(all_logits, 1) if need_logits else None, last_hidden_state=torch.cat(all_hidden, 1),
+            cache=cache,
             inputs_embeds=torch.cat(inputs, 1),
             hidden_states=tuple(torch.cat(store, 1) for store in layers) if layers is not None else None)
+
+    def _recurrent_packed(self, input_ids, feedback_mask, position_ids, restarts, output_hidden_states,
+                          need_logits=True):
+        """:meth:`recurrent_forward` of packed rows: every packed sample of every row on its own, stitched back."""
+        B, T = input_ids.shape
+        position_ids = position_ids.to(input_ids.device).reshape(-1, T).expand(B, T)
+        rows = []
+        for b in range(B):
+            cuts = [0, *restarts[b].nonzero().flatten().tolist(), T]
+            rows.append([self.recurrent_forward(input_ids[b:b + 1, s:e], None, feedback_mask[b:b + 1, s:e],
+                                                position_ids[b:b + 1, s:e], output_hidden_states=output_hidden_states,
+                                                need_logits=need_logits)
+                         for s, e in zip(cuts, cuts[1:])])
+
+        def stitch(get):
+            return torch.cat([torch.cat([get(o) for o in row], 1) for row in rows], 0)
+
+        return FullBandwidthOutput(
+            logits=stitch(lambda o: o.logits) if need_logits else None,
+            last_hidden_state=stitch(lambda o: o.last_hidden_state),
+            inputs_embeds=stitch(lambda o: o.inputs_embeds),
+            hidden_states=tuple(stitch(lambda o, i=i: o.hidden_states[i]) for i in range(len(rows[0][0].hidden_states)))
+            if output_hidden_states else None)
 
 
 def load_model(path: str, **kwargs):

@@ -301,15 +301,15 @@ def predicted_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != -100).sum())
 
 
-def sft_feedback_mask(batch: dict, doc_start_id: int | None, prefix_mix: float,
-                      generator: torch.Generator | None) -> torch.Tensor:
+def sft_feedback_mask(batch: dict, doc_start_id: int | None, prefix_mix: float, row_seeds) -> torch.Tensor:
     """Feedback mask of a right-padded batch, with per-conversation prefix mixing (the padding is a segment of
-    its own, so a plain prefix is drawn over the conversation's length)."""
+    its own, so a plain prefix is drawn over the conversation's length), row i's draws seeded by
+    ``row_seeds[i]`` (:func:`fullband.model.feedback.prefix_row_seeds`)."""
     ids, attn = batch["input_ids"], batch["attention_mask"]
     mask = build_feedback_mask(ids, attn, doc_start_id)
     if prefix_mix > 0:
         starts = document_starts(ids, doc_start_id, attn)
         real = attn.bool()
         starts[:, 1:] |= ~real[:, 1:] & real[:, :-1]  # first padding position starts a segment
-        mask &= ~prefix_mixing_mask(starts, prefix_mix, generator)
+        mask &= ~prefix_mixing_mask(starts, prefix_mix, row_seeds)
     return mask

@@ -102,9 +102,10 @@ class TrainConfig:
     grad_passes: int = config_field(0, "truncated gradients: passes 1..K-N run without gradient, the last N backpropagate (0: all K)", branch=True, group="feedback")
     pass_tol: float = config_field(0.0, "stop the passes early once max|h_k - h_{k-1}| / max|h_{k-1}| < this (the gradient passes still run; 0: off)", branch=True, group="feedback")
     pass_mix: str | None = config_field(None, "K of each feedback step drawn from K:P pairs, e.g. 1:0.75,2:0.22,3:0.03 (the paper's per-batch mix; a function of --seed and the step alone); --num-passes must be its largest K and --deep-fraction 0", branch=True, group="feedback")
+    exact_states: bool = config_field(False, "the exact recurrence at linear cost: each fed-back step runs the token-by-token recurrence without gradient for the exact states, then --grad-passes N teacher-forced passes with gradient from them (K of the schedule then only says which steps are fed back)", branch=True, group="feedback")
     pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback")
     # ---- stability guard
-    spike_factor: float = config_field(3.0, "skip a step whose pass-1 loss exceeds this times its running average (0: off)", group="guard")
+    spike_factor: float = config_field(3.0, "skip a step whose loss (the mean of the passes it trains) exceeds this times its running average (0: off)", group="guard")
     max_bad_steps: int = config_field(5, "stop after this many skipped steps in a row", traj=False, group="guard")
     # ---- evaluation and logging
     eval_every: int = config_field(0, "validation loss every N steps (0: ten times per run)", traj=False, group="log")
@@ -136,8 +137,18 @@ class TrainConfig:
         return FeedbackSchedule.from_options(self)  # --num-passes 1: a plain baseline, no deep steps, no pass mix
 
     def pass_options(self) -> dict:
-        """The K-pass forward's long-recurrence arguments of a training step (``grad_passes``, ``pass_tol``)."""
+        """The K-pass forward's long-recurrence arguments of a fed-back training step (``grad_passes``,
+        ``pass_tol``; with ``--exact-states``, ``exact_states`` instead: the N gradient passes are then the
+        forward's ``num_passes``, :meth:`step_passes`)."""
+        if self.exact_states:
+            return {"exact_states": True}
         return {"grad_passes": self.grad_passes or None, "pass_tol": self.pass_tol or None}
+
+    def step_passes(self, num_passes: int) -> int:
+        """The forward's ``num_passes`` on a step whose schedule says K = ``num_passes``: K itself, or with
+        ``--exact-states`` on a fed-back step (K > 1) the ``--grad-passes`` N gradient passes after the exact
+        states."""
+        return self.grad_passes if self.exact_states and num_passes > 1 else num_passes
 
     def loss_options(self) -> dict:
         """The K-pass forward's loss arguments of every training step (``loss_chunk``, ``z_loss``; ``None``: off)."""
@@ -216,6 +227,10 @@ class TrainConfig:
             need(0.0 <= v <= 1.0, f"--{flag_name(name)} must be in [0, 1], got {v}")
         need(self.grad_passes >= 0, f"--grad-passes must be >= 0 (0: all passes), got {self.grad_passes}")
         need(self.pass_tol >= 0, f"--pass-tol must be >= 0 (0: off), got {self.pass_tol}")
+        need(not self.exact_states or self.grad_passes >= 1, "--exact-states needs --grad-passes N >= 1: the number "
+             "of gradient passes run from the exact states (2 is the usual choice)")
+        need(not (self.exact_states and self.pass_tol), "--exact-states computes the exact states directly: "
+             "--pass-tol (which stops the passes once they converge) does not apply; leave it 0")
         need(0.0 <= self.pass_curriculum <= 1.0, f"--pass-curriculum must be in [0, 1], got {self.pass_curriculum}")
         self.schedule()  # start fraction, passes, deep fraction, curriculum
         need(self.spike_factor == 0 or self.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1, got {self.spike_factor}")

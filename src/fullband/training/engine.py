@@ -324,10 +324,11 @@ class Trainer:
         weight = cfg.feedback_weight * self.switch_on.feedback_weight_factor(step, self.fb_start, cfg.steps)
         batch = self.recipe.batch(step, K, self.prefix_gen, env)
         ran, zs = [], []
-        loss_sum, pass_sum = forward_backward(model, batch.micro, K, self.autocast, batch.loss_weight,
-                                              nan=(step + 1) in cfg.debug_nan_steps, feedback_weight=weight,
-                                              passes_run=ran, z_losses=zs, **cfg.loss_options(),
-                                              **(cfg.pass_options() if K > 1 else {}))
+        options = cfg.pass_options() if K > 1 else {}
+        loss_sum, pass_sum = forward_backward(model, batch.micro, cfg.step_passes(K), self.autocast,
+                                              batch.loss_weight, nan=(step + 1) in cfg.debug_nan_steps,
+                                              feedback_weight=weight, passes_run=ran, z_losses=zs,
+                                              **cfg.loss_options(), **options)
         if K == 1:
             for p in self.fusion_params:  # unused on a plain step: no update, no weight decay, as single-process
                 p.grad = None
@@ -337,7 +338,7 @@ class Trainer:
         z_sum = [torch.stack(zs).sum().view(1)] if zs else []  # the z-loss inside the loss (--z-loss)
         stats = D.all_reduce_mean(torch.cat([loss_sum.view(1), pass_sum, *z_sum]) * batch.loss_weight, env).tolist()
         loss, pass_losses = stats[0], stats[1:1 + len(pass_sum)]
-        watched = trained_loss(pass_losses, K, cfg.grad_passes)
+        watched = trained_loss(pass_losses, len(pass_losses), options.get("grad_passes") or 0)
         reason = guard.check(loss, watched, None)
         grad_norm, fusion_norm = float("nan"), None
         if reason is None:
@@ -368,6 +369,8 @@ class Trainer:
         if K > 1 and (cfg.grad_passes or cfg.pass_tol):  # what the long-recurrence options ran (FLOP counts)
             rec["passes_run"] = sum(r for r, _ in ran) / len(ran)
             rec["grad_passes_run"] = sum(g for _, g in ran) / len(ran)
+        if K > 1 and cfg.exact_states:  # the token-by-token pass before the passes_run teacher-forced ones
+            rec["exact_states"] = True
         if zs:
             rec["z_loss"] = finite_or_none(stats[-1])
         if frozen:

@@ -27,6 +27,10 @@ from .presets import backbone_config, check_tying
 GPU_PEAK_BF16 = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12, "rtx4090": 165e12, "a10g": 125e12}
 GPU_MEMORY_GIB = {"h200": 141, "h100": 80, "a100": 80, "l40s": 48, "rtx4090": 24, "a10g": 24}
 GIB = 1024 ** 3
+# --exact-states: seconds one decoder layer takes for one token step of the token-by-token pass on a GPU (an
+# assumption, not a measurement: at small batch a layer's dozen kernels are launch-bound, ~10 us each in eager
+# PyTorch; CUDA graphs or a fused kernel would lower it)
+TOKEN_STEP_LAYER_SECONDS = 1.5e-4
 
 
 def _backbone_config(cfg: TrainConfig):
@@ -60,6 +64,7 @@ def count_parameters(cfg: TrainConfig) -> dict:
     total = sum(p.numel() for p in backbone.parameters())
     return {"backbone_params": int(total), "fusion_params": int(sum(p.numel() for p in fusion.parameters())),
             "matmul_params": int(total - (0 if tied else emb.weight.numel())), "tied_embeddings": tied,
+            "head_params": int(head.weight.numel()) if head is not None else 0,
             "layers": int(conf.num_hidden_layers), "hidden": int(conf.hidden_size),
             "intermediate": int(getattr(conf, "intermediate_size", 4 * conf.hidden_size)),
             "heads": int(conf.num_attention_heads), "vocab": int(emb.num_embeddings),
@@ -108,11 +113,16 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
     p = count_parameters(cfg)
     p["seq_len"] = cfg.seq_len
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    fp = {k: p[k] for k in ("matmul_params", "fusion_params", "layers", "hidden")}
+    fp = {k: p[k] for k in ("matmul_params", "head_params", "fusion_params", "layers", "hidden")}
     hist = passes_histogram(cfg)
     gp = cfg.grad_passes  # truncated gradients: the first K - N passes run forward only
-    per_k = {k: training_flops([{"num_passes": k, "grad_passes_run": min(gp, k) if gp else k}], tokens_per_step,
-                               cfg.seq_len, fp)["flops"] for k in hist}
+
+    def step_record(k: int) -> dict:  # what the engine logs for a step of K = k
+        if cfg.exact_states and k > 1:  # the token-by-token pass, then N gradient passes
+            return {"num_passes": k, "exact_states": True, "passes_run": gp, "grad_passes_run": gp}
+        return {"num_passes": k, "grad_passes_run": min(gp, k) if gp else k}
+
+    per_k = {k: training_flops([step_record(k)], tokens_per_step, cfg.seq_len, fp)["flops"] for k in hist}
     total_flops = sum(per_k[k] * n for k, n in hist.items())
     # memory of one device: fp32 master weights, fp32 gradients, AdamW's two fp32 moments (16 bytes a parameter);
     # bf16 autocast keeps bf16 copies of the weights during a step (2 more); FSDP shards all of it
@@ -123,7 +133,7 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
     micro_tokens = cfg.batch_size // (world_size * cfg.grad_accum) * cfg.seq_len
     k_max = max(hist)
     grad_passes = cfg.grad_passes or k_max  # passes that keep their graph for the backward
-    graphs = min(grad_passes, k_max)
+    graphs = grad_passes if cfg.exact_states and k_max > 1 else min(grad_passes, k_max)
     ckpt, chunk = cfg.activation_checkpointing, cfg.loss_chunk
     per_token = activation_bytes_per_token(p, 2, ckpt, gpu_attention=True, loss_chunk=chunk)
     activations = micro_tokens * per_token * graphs + loss_chunk_bytes(p, chunk, micro_tokens)
@@ -142,6 +152,14 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
             break
     peak = GPU_PEAK_BF16[gpu]
     seconds = total_flops / (world_size * peak * mfu)
+    token_pass = None
+    if cfg.exact_states:  # the token-by-token pass is latency-bound: T dependent steps per micro-batch
+        fed = sum(n for k, n in hist.items() if k > 1)
+        sequential = fed * cfg.grad_accum * cfg.seq_len
+        latency = sequential * p["layers"] * TOKEN_STEP_LAYER_SECONDS
+        token_pass = {"fed_back_steps": fed, "sequential_token_steps": sequential,
+                      "assumed_seconds_per_layer_step": TOKEN_STEP_LAYER_SECONDS, "latency_seconds": latency}
+        seconds += latency
     return {
         "model": p, "tokens_per_step": tokens_per_step, "steps": cfg.steps, "tokens": tokens_per_step * cfg.steps,
         "passes_histogram": hist, "flops_per_step": per_k, "total_flops": total_flops,
@@ -151,9 +169,9 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
         "activation_checkpointing": ckpt, "loss_chunk": chunk,
         "micro_batch_tokens": micro_tokens, "grad_accum_to_fit": fits, "passes_with_graph": graphs,
         "devices": world_size, "parallel": parallel, "gpu": gpu, "gpu_memory_gib": GPU_MEMORY_GIB[gpu],
-        "gpu_peak_bf16_flops": peak, "mfu": mfu, "seconds": seconds,
-        "assumptions": ("estimates: FLOPs 6N+6LTd per token and pass with gradient (+6 N_fusion per fused pass; a "
-                        "third of that without gradient), causal attention; memory fp32 weights+grads+AdamW (16 B/param, sharded under FSDP) plus bf16 weight "
+        "gpu_peak_bf16_flops": peak, "mfu": mfu, "seconds": seconds, "exact_states_pass": token_pass,
+        "assumptions": ("estimates: FLOPs 6N+6LTd per token and pass with gradient (+6 N_fusion per fused pass; "
+                        "without gradient its forward without the LM head, 2(N-N_head)+2LTd), causal attention; memory fp32 weights+grads+AdamW (16 B/param, sharded under FSDP) plus bf16 weight "
                         "copies, bf16 activations of the deepest K's passes with fused attention (with "
                         "--activation-checkpointing: each layer's input and one layer's insides), fp32 logits "
                         "V x 4 B per token and pass (with --loss-chunk N: none, but one chunk's logits and gradient, "
@@ -197,8 +215,16 @@ def format_plan(plan: dict) -> str:
         + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f} GiB" for k, v in mem.items()),
         f"time at {plan['mfu']:.0%} MFU of {_si(plan['gpu_peak_bf16_flops'])}FLOP/s bf16 per device: "
         f"{_duration(plan['seconds'])}",
-        f"({plan['assumptions']})",
     ]
+    tok = plan.get("exact_states_pass")
+    if tok:
+        lines.append(f"--exact-states: the token-by-token pass is {tok['sequential_token_steps']:,} dependent token "
+                     f"steps of {m['layers']} layers over the run ({tok['fed_back_steps']:,} fed-back steps x "
+                     "micro-batches x row length): latency-bound, not FLOP-bound; at an assumed "
+                     f"{tok['assumed_seconds_per_layer_step'] * 1e3:.2f} ms per layer and step (eager PyTorch at "
+                     f"small batch: kernel launches; not measured) it adds {_duration(tok['latency_seconds'])}, "
+                     "included in the time above")
+    lines.append(f"({plan['assumptions']})")
     static = sum(v for k, v in mem.items() if k != "activations")
     need = (static + mem["activations"]) / GIB
     if need > plan["gpu_memory_gib"]:

@@ -37,7 +37,7 @@ from ..data.order import pool_batch_rows
 from ..data.shards import is_prepared, open_prepared
 from ..eval.scoring import row_losses
 from ..model.configuration import FullBandwidthConfig
-from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+from ..model.feedback import PREFIX_DRAWS, build_feedback_mask, document_starts, prefix_mixing_mask, prefix_row_seeds
 from ..model.modeling import FullBandwidthForCausalLM, load_model
 from ..utils.io import atomic_save_pretrained, read_jsonl
 from .checkpoint import METRICS, RUN_CONFIG, SUMMARY, model_fingerprint
@@ -145,12 +145,12 @@ def fusion_was_trained(cfg: TrainConfig) -> bool:
         return False
 
 
-def feedback_mask_for(batch: torch.Tensor, doc_start_id: int | None, prefix_mix: float,
-                      generator: torch.Generator) -> torch.Tensor:
-    """Feedback mask of a global batch with prefix mixing (draws from ``generator``)."""
-    mask = build_feedback_mask(batch, None, doc_start_id)
+def feedback_mask_for(rows: torch.Tensor, doc_start_id: int | None, prefix_mix: float, row_seeds) -> torch.Tensor:
+    """Feedback mask of packed ``rows`` with prefix mixing, row i's draws seeded by ``row_seeds[i]``
+    (:func:`fullband.model.feedback.prefix_row_seeds` of the rows' places in the step's global batch)."""
+    mask = build_feedback_mask(rows, None, doc_start_id)
     if prefix_mix > 0:
-        mask &= ~prefix_mixing_mask(document_starts(batch, doc_start_id), prefix_mix, generator)
+        mask &= ~prefix_mixing_mask(document_starts(rows, doc_start_id), prefix_mix, row_seeds)
     return mask
 
 
@@ -223,12 +223,10 @@ class PretrainRecipe(Recipe):
         rows = self.train_rows[index[lo:lo + per_rank]]  # this rank's rows only: ranks read disjoint rows
         local_mask = None
         if num_passes > 1:
-            # the feedback mask of a row depends on that row and on its own slots of the global batch's draws (a
-            # fixed number per global batch), so every rank draws the same and masks its rows as one process would
-            full = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=rows.dtype)
-            full[lo:lo + per_rank] = rows
-            local_mask = feedback_mask_for(full, self.doc_id, cfg.prefix_mix, generator)[lo:lo + per_rank]
-            local_mask = local_mask.to(env.device)
+            # a row's mask depends on that row and on its place in the step's global batch alone: each rank draws
+            # for its own rows and masks them as one process holding the whole batch would
+            seeds = prefix_row_seeds(cfg.seed, step, range(lo, lo + per_rank))
+            local_mask = feedback_mask_for(rows, self.doc_id, cfg.prefix_mix, seeds).to(env.device)
         local = rows.to(env.device)
         micro_batches = [{"input_ids": local[i:i + micro], "labels": local[i:i + micro],
                           "feedback_mask": local_mask[i:i + micro] if local_mask is not None else None}
@@ -258,7 +256,7 @@ class PretrainRecipe(Recipe):
         atomic_save_pretrained(self.tokenizer, self.cfg.out, mode="merge")
 
     def summarize(self, summary):
-        summary.update(self.inputs)
+        summary.update(self.inputs, prefix_draws=PREFIX_DRAWS)
         val = [r for r in read_jsonl(os.path.join(self.cfg.out, METRICS)) if r.get("split") == "val"]
         if val:
             summary["val_loss"] = val[-1]["val_loss"]
@@ -315,6 +313,9 @@ def run_differences(cfg: TrainConfig, corpus=None) -> list[str] | None:
     saved["init_from"], current["init_from"] = saved.get("init_from") is not None, cfg.init_from is not None
     diffs = [f"--{flag_name(k)} {_short(saved.get(k))} -> {_short(v)}" for k, v in current.items()
              if k not in _NOT_TRAJECTORY and k != "out" and not same_value(k, saved.get(k), v)]
+    if cfg.prefix_mix > 0 and cfg.feedback_ever and summary.get("prefix_draws", 1) != PREFIX_DRAWS:
+        diffs.append(f"the prefix-mixing draws (layout {summary.get('prefix_draws', 1)} -> {PREFIX_DRAWS}: "
+                     "that run was trained by an older version)")
     if corpus is not None and summary.get("data_sha256") != data_fingerprint(corpus):
         diffs.append("the training data" + ("" if summary.get("data_sha256") else " (not recorded by that run)"))
     if cfg.init_from is not None:

@@ -36,7 +36,7 @@ from ..eval.problems import ANSWER_MARKER
 from ..eval.reasoning import extract_answer, grade
 from ..eval.scoring import MODES as EVAL_MODES
 from ..eval.scoring import mode_logits
-from ..model.feedback import build_feedback_mask
+from ..model.feedback import build_feedback_mask, prefix_row_seeds
 from ..model.generation import MODES as DECODE_MODES
 from ..model.generation import generate
 from ..model.modeling import FullBandwidthForCausalLM, load_model, max_positions
@@ -348,19 +348,21 @@ class SFTRecipe(Recipe):
         per_rank = cfg.batch_size // env.world_size
         micro = per_rank // cfg.grad_accum
         idx = batch_rows(step, cfg.batch_size, len(enc), cfg.seed).tolist()
-        full = collate(enc, idx, self.pad_id)
-        full["feedback_mask"] = (sft_feedback_mask(full, self.doc_id, cfg.prefix_mix, generator) if num_passes > 1
-                                 else build_feedback_mask(full["input_ids"], full["attention_mask"], self.doc_id))
-        num_items = predicted_tokens(full["labels"])
-        items = torch.tensor(float(num_items))
         lo = env.rank * per_rank
-        micro_batches = []
-        for i in range(lo, lo + per_rank, micro):
+        local, counts = [], torch.zeros(2, dtype=torch.float64)
+        for i in range(lo, lo + per_rank, micro):  # this rank's rows only; a row's mask depends on it and its place
             b = collate(enc, idx[i:i + micro], self.pad_id)
-            b["feedback_mask"] = full["feedback_mask"][i:i + micro, :b["input_ids"].shape[1]]
-            b["num_items_in_batch"] = items
-            micro_batches.append({k: v.to(env.device) for k, v in b.items()})
-        step_tokens = int(full["attention_mask"].sum())
+            b["feedback_mask"] = (sft_feedback_mask(b, self.doc_id, cfg.prefix_mix,
+                                                    prefix_row_seeds(cfg.seed, step, range(i, i + micro)))
+                                  if num_passes > 1 else build_feedback_mask(b["input_ids"], b["attention_mask"],
+                                                                            self.doc_id))
+            counts += torch.tensor([predicted_tokens(b["labels"]), int(b["attention_mask"].sum())], dtype=torch.float64)
+            local.append(b)
+        # the step's loss is a mean over every rank's predicted tokens: their count is all-reduced, not recounted
+        # from the global batch on every rank
+        num_items, step_tokens = (int(x) for x in D.all_reduce_sum(counts.to(env.device), env).tolist())
+        items = torch.tensor(float(num_items))
+        micro_batches = [{k: v.to(env.device) for k, v in {**b, "num_items_in_batch": items}.items()} for b in local]
         # each micro-batch's loss is already its share of the step's mean; DDP averages the ranks' gradients,
         # which the world size undoes
         return StepBatch(micro_batches, loss_weight=float(env.world_size), tokens=step_tokens,

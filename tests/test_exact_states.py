@@ -1,0 +1,133 @@
+"""The exact recurrence at linear cost (``exact_states=True``): the token-by-token states, then N teacher-forced
+gradient passes, against a reference written here from the raw weights (the recurrence recomputed from scratch at
+every position, no KV cache; the gradient passes re-run on ``inputs_embeds`` built here) and against the K-pass
+forward with ``K = T + 1 + N, grad_passes = N``, which reaches the same states by brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference as R
+from conftest import BOS, random_ids, reorder_rtol, tiny_model
+from fullband.training.engine import prepare_layers
+
+
+def shift(h: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+
+
+@torch.no_grad()
+def exact_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The recurrence's final states, each position recomputed from scratch on the inputs fused so far."""
+    e = model.backbone.get_input_embeddings().weight[ids]
+    inputs, states = [], []
+    for t in range(ids.shape[1]):
+        u = e[:, t:t + 1]
+        if states:
+            u = torch.where(mask[:, t:t + 1, None], R.fuse(model, states[-1], u), u)
+        inputs.append(u)
+        h, _ = R._final(model, torch.cat(inputs, 1))
+        states.append(h[:, -1:])
+    return torch.cat(states, 1)
+
+
+def reference_step(model, ids: torch.Tensor, n: int, mask: torch.Tensor):
+    """N gradient passes from the exact states: pass 1 fuses them shifted right by one, pass k the output of pass
+    k - 1; the loss is the mean of the passes' next-token cross-entropies. Returns (pass losses, loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    h = exact_hidden(model, ids, mask)
+    e = model.backbone.get_input_embeddings()(ids)
+    losses = []
+    for _ in range(n):
+        u = torch.where(mask[..., None], R.fuse(model, shift(h), e), e)
+        h, logits = R._final(model, u)
+        losses.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return torch.stack(losses).detach(), loss.detach(), grads
+
+
+def package_step(model, ids, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got: dict, want: dict, scale: float = 1.0) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        w = want[k] * scale
+        err = (got[k] - w).abs().max() / w.abs().max().clamp_min(1e-12)
+        assert err < 1e-4, (k, float(err))
+
+
+@pytest.mark.parametrize("fusion", ["glu", "residual"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_exact_states_then_n_gradient_passes_equal_the_reference(fusion, n):
+    """Rows of 12 with a document start inside (BOS at 5 and 9: the state must not cross it); fp32. Bugs caught:
+    the exact states not shifted (or shifted twice), a state across a BOS, the first gradient pass fed something
+    other than the exact states (its loss would not be the recurrence's), the gradient cut at the wrong pass."""
+    model = tiny_model(fusion=fusion, jitter=0.0).train()
+    with torch.no_grad():  # a trained-looking fusion (the residual entry's gain starts at 0: no state at all)
+        model.feedback.out_norm.weight.fill_(0.7)
+    ids = random_ids(3, 12, seed=4)
+    ids[:, 5] = BOS
+    ids[1, 9] = BOS
+    mask = R.feedback_mask(ids, model.config.doc_start_token_id)
+    ref_losses, ref_loss, ref_grads = reference_step(model, ids, n, mask)
+    out, grads = package_step(model, ids, num_passes=n, exact_states=True)
+    assert out.pass_losses.shape == (n,) and out.passes_run == n and out.grad_passes_run == n
+    torch.testing.assert_close(out.pass_losses, ref_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-5, atol=0)
+    # the first gradient pass's loss is the exact recurrence's (its logits, from the package's own recurrence)
+    exact_loss = R.next_token_loss(R.recurrence_logits(model, ids), ids)
+    assert float(out.pass_losses[0]) == pytest.approx(exact_loss, rel=reorder_rtol(3 * 11, 32, 64, 97))
+    assert_grads_close(grads, ref_grads)
+
+
+def test_exact_states_equal_t_plus_1_plus_n_passes_with_n_gradient_passes():
+    """The brute-force form: K = T + 1 + N passes, the last N with gradient (the loss's λ/(K - 1) undone)."""
+    model = tiny_model(fusion="residual", jitter=0.0).train()
+    with torch.no_grad():
+        model.feedback.out_norm.weight.fill_(0.7)
+    ids, T, n = random_ids(2, 10, seed=6), 10, 2
+    ids[0, 4] = BOS
+    fast, fast_grads = package_step(model, ids, num_passes=n, exact_states=True)
+    K = T + 1 + n
+    slow, slow_grads = package_step(model, ids, num_passes=K, grad_passes=n)
+    torch.testing.assert_close(fast.pass_losses, slow.pass_losses[-n:], rtol=1e-5, atol=0)
+    assert torch.isnan(slow.pass_losses[:-n]).all()  # the passes without gradient are not scored
+    # slow's loss is λ·(sum of the N gradient terms)/(K - 1): its gradient, rescaled, is the mean's
+    assert_grads_close(fast_grads, slow_grads, scale=(K - 1) / (model.config.feedback_weight * n))
+
+
+def test_padding_is_never_fed_back_and_checkpointing_keeps_the_cache():
+    """Left-padded rows (the pad's state is not fed back) equal the brute-force K-pass form; with HF's activation
+    checkpointing on, the token-by-token pass still reads its KV cache (it runs without gradient)."""
+    model = tiny_model(fusion="glu", jitter=0.0).train()
+    ids = random_ids(2, 9, seed=8)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0
+    ids[1, :3] = 0
+    ids[1, 3] = BOS
+    n, K = 1, 9 + 1 + 1
+    fast, fast_grads = package_step(model, ids, attention_mask=attn, num_passes=n, exact_states=True)
+    slow, slow_grads = package_step(model, ids, attention_mask=attn, num_passes=K, grad_passes=n)
+    torch.testing.assert_close(fast.pass_losses, slow.pass_losses[-n:], rtol=1e-5, atol=0)
+    assert_grads_close(fast_grads, slow_grads, scale=(K - 1) / (model.config.feedback_weight * n))
+    prepare_layers(model, checkpointing=True)
+    again, again_grads = package_step(model, ids, attention_mask=attn, num_passes=n, exact_states=True)
+    torch.testing.assert_close(again.pass_losses, fast.pass_losses, rtol=1e-6, atol=0)
+    assert_grads_close(again_grads, fast_grads)
+
+
+def test_exact_states_refuse_what_they_cannot_take():
+    model = tiny_model(fusion="glu").train()
+    ids = random_ids(1, 6)
+    for bad in ({"grad_passes": 1}, {"pass_tol": 0.1}, {"use_cache": True}):
+        with pytest.raises(ValueError, match="exact_states"):
+            model(input_ids=ids, labels=ids, num_passes=1, exact_states=True, **bad)
