@@ -5,12 +5,18 @@ forward with ``K = T + 1 + N, grad_passes = N``, which reaches the same states b
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as G
 
 import reference as R
 from conftest import BOS, random_ids, reorder_rtol, tiny_model
+from fullband.training import distributed as D
 from fullband.training.engine import prepare_layers
 
 
@@ -131,3 +137,47 @@ def test_exact_states_refuse_what_they_cannot_take():
     for bad in ({"grad_passes": 1}, {"pass_tol": 0.1}, {"use_cache": True}):
         with pytest.raises(ValueError, match="exact_states"):
             model(input_ids=ids, labels=ids, num_passes=1, exact_states=True, **bad)
+
+
+def _fsdp_worker(rank: int, root: str) -> None:
+    """Rank ``rank`` of 2 (gloo, FSDP2): an exact-states step on its half of 4 rows; its loss, the full gradients
+    and the number of all-gathers the forward ran."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=2)
+    env = D.DistEnv(rank=rank, world_size=2, backend="gloo")
+    try:
+        model = tiny_model(fusion="residual", jitter=0.0).train()
+        with torch.no_grad():
+            model.feedback.out_norm.weight.fill_(0.7)
+        model = D.wrap_model(model, env, "fsdp")
+        calls = []
+        real = G.foreach_all_gather
+        G.foreach_all_gather = lambda *a, **k: calls.append(1) or real(*a, **k)
+        ids = random_ids(4, 12, seed=4)[2 * rank:2 * rank + 2]
+        out = model(input_ids=ids, labels=ids, num_passes=2, exact_states=True)
+        gathers = len(calls)
+        G.foreach_all_gather = real
+        out.loss.backward()
+        grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters() if p.grad is not None}
+        with open(f"{root}/rank{rank}.json", "w") as f:
+            json.dump({"loss": float(out.loss), "gathers": gathers, "grads": grads}, f)
+    finally:
+        D.shutdown(env)
+
+
+def test_exact_states_under_fsdp_gather_each_layer_once_and_follow_one_process(tmp_path):
+    """Two FSDP2 ranks (2 rows each) give one process's loss and gradients on the 4 rows (to the error of sums in
+    another order), and the forward all-gathers each decoder layer once for the whole token-by-token pass (plus
+    once per gradient pass), not once per token: 2 layers x (1 + 2 passes) + the root's, against 2 x (12 + 2) + 1."""
+    mp.spawn(_fsdp_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert [g["gathers"] for g in got] == [2 * 3 + 1] * 2
+    model = tiny_model(fusion="residual", jitter=0.0).train()
+    with torch.no_grad():
+        model.feedback.out_norm.weight.fill_(0.7)
+    ids = random_ids(4, 12, seed=4)
+    out, grads = package_step(model, ids, num_passes=2, exact_states=True)
+    rtol = reorder_rtol(4 * 11, 32, 64, 97)
+    assert (got[0]["loss"] + got[1]["loss"]) / 2 == pytest.approx(float(out.loss), rel=rtol)
+    # FSDP averages the two ranks' gradients: the mean over 4 rows, as one process's
+    assert_grads_close({k: torch.tensor(v) for k, v in got[0]["grads"].items()}, grads)

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -50,6 +51,27 @@ def _zero_unscored(terms: list) -> list:
     zeros: the objective's part that has gradient, whose backward is the whole objective's."""
     ref = next(t for t in terms if t is not None)
     return [ref.new_zeros(()) if t is None else t for t in terms]
+
+
+@contextlib.contextmanager
+def gathered_once(model: torch.nn.Module):
+    """Inside this scope every FSDP2-sharded sub-module of ``model`` is all-gathered once, on its first call, and
+    kept whole until the scope ends (then resharded as it was): the token-by-token recurrence calls each decoder
+    layer T times, and FSDP2 would otherwise all-gather every layer for every token (and free it again). A no-op
+    for a model that is not sharded. Memory: the whole model's parameters for the scope."""
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    before = []
+    for m in mods:
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        before.append(group is None or group.post_forward_mesh_info is not None)  # did it reshard after forward
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m, reshard in zip(mods, before):
+            m.set_reshard_after_forward(reshard, recurse=False)
+            if reshard:
+                m.reshard()
 
 
 def embedding_rms(embeddings) -> float:
@@ -361,7 +383,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         # with it
         exact = None
         if exact_states:  # pass 0: the exact recurrence's states (no gradient, no logits), then N gradient passes
-            with torch.no_grad():
+            with torch.no_grad(), gathered_once(self):
                 exact = self.recurrent_forward(input_ids, attention_mask, feedback_mask, position_ids,
                                                need_logits=False).last_hidden_state
             num_passes += 1
