@@ -22,7 +22,7 @@ class CorruptFusion(PretrainRecipe):
     """The ordinary pre-training recipe, except that the residual fusion's output gain is set to 100 just before step
     ``CORRUPT_AT`` (the fed-back term then swamps the token: a real spike in every fed-back pass; pass 1 takes no
     state and does not see it). The spike is ≈ 1.9x the running loss (the pre-norm backbone bounds what a blown-up
-    input can do), so the test sets ``--spike-factor 1.5``."""
+    input can do), so the test sets ``--spike-factor 1.3`` (and no prefix mixing: every position fed back)."""
 
     def setup(self, tokenizer):
         self.model, tok = super().setup(tokenizer)
@@ -38,7 +38,7 @@ class CorruptFusion(PretrainRecipe):
 def run(data, out, **kw):
     cfg = TrainConfig(out=str(out), preset="micro", steps=34, seed=0, data=data, vocab_size=300, seq_len=32,
                       batch_size=4, progress=False, tensorboard=False, plot=False, feedback_start=0.0, jitter=0.0,
-                      num_passes=3, deep_fraction=0.0, max_bad_steps=2, spike_factor=1.5, **kw)
+                      num_passes=3, deep_fraction=0.0, prefix_mix=0.0, max_bad_steps=2, spike_factor=1.3, **kw)
     summary = run_recipe(CorruptFusion(cfg))
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("split") == "train"]
     return summary, rows
