@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..data.labelled import is_labelled_file
 from ..data.prepare import prepare
+from . import labelled
 from .data_bench import add_bench_parser
 
 
@@ -44,6 +46,10 @@ def add_parser(sub) -> None:
                    help="MB of one document read and tokenized at once: a longer document (a whole .txt file is "
                         "one) is streamed in pieces cut at a space or newline between words (default: 1)")
     q.add_argument("--overwrite", action="store_true", help="replace prepared data of other settings in DIR")
+    q.add_argument("--labelled", action="store_true",
+                   help="SRC is a .jsonl of labelled rows (detected when its first row has 'input' and 'target'): "
+                        "write token and target ids per row, the word-level vocabulary and a manifest (--val-fraction "
+                        "and --seed split per row). " + labelled.FORMAT_HELP)
     q.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     q.add_argument("--json", action="store_true", help="print the manifest and this run's throughput as JSON")
     q.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)  # tests: a killed run
@@ -52,6 +58,8 @@ def add_parser(sub) -> None:
 
 
 def run_prepare(args) -> int:
+    if args.labelled or is_labelled_file(args.source):
+        return labelled.run_prepare(args)
     result = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                      val_fraction=args.val_fraction, seed=args.seed, workers=args.workers, shard_mb=args.shard_mb,
                      tokenizer_sample_mb=args.tokenizer_sample_mb, overwrite=args.overwrite, progress=args.progress,

@@ -12,6 +12,8 @@ from ..eval.scoring import (
     split_settings,
     write_report,
 )
+from ..utils.errors import UsageError
+from .labelled import add_eval_parser
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -23,6 +25,8 @@ def parse_int_list(text: str, name: str) -> list[int]:
 
 
 def run(args) -> int:
+    if args.model is None:
+        raise UsageError("--model is required (or `fullband eval labelled MODEL_DIR --data TEST.jsonl`)")
     passes = parse_int_list(args.passes, "--passes") if args.passes else []
     if any(k < 1 for k in passes):
         raise ValueError(f"--passes must be integers >= 1, got {args.passes!r}")
@@ -57,7 +61,7 @@ def add_parser(sub) -> None:
                     "text is the validation documents split exactly as `fullband train` split them: its data, "
                     "seed, validation fraction and row length are read from the run_config.json it saved beside "
                     "the model (the embedded corpus, seed 0, 0.1 and 256 without one).")
-    p.add_argument("--model", required=True, help="model directory (fullband or plain Hugging Face causal LM)")
+    p.add_argument("--model", default=None, help="model directory (fullband or plain Hugging Face causal LM; required)")
     p.add_argument("--data", default=None,
                    help="text file, folder, .jsonl or datasets directory (default: the training run's, else the "
                         "embedded corpus)")
@@ -79,3 +83,4 @@ def add_parser(sub) -> None:
                    help="write the report: a folder (eval.json + eval.md) or a path ending in .json (+ .md beside it)")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     p.set_defaults(func=run)
+    add_eval_parser(p.add_subparsers(dest="eval_command", metavar="SUBCOMMAND"))

@@ -19,6 +19,7 @@ from ..training.checkpoint import CKPT_DIR, find_checkpoint, load_trainer_state
 from ..training.config import TrainConfig, flag_name, make_config, option_names, read_config_file, saved_options
 from ..training.device import tune_cpu_allocator
 from ..training.engine import EXIT_STOPPED
+from ..training.labelled import train_labelled, wants_labelled
 from ..training.plan import GPU_PEAK_BF16, format_plan, make_plan
 from ..training.pretrain import train
 
@@ -50,6 +51,10 @@ def add_parser(sub) -> None:
     plan.add_argument("--plan-mfu", type=float, default=0.4, metavar="X",
                       help="model-FLOP utilisation assumed for the time (default: 0.4)")
     plan.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    p.add_argument("--labelled", action="store_true",
+                   help="--data is labelled rows (a .jsonl of {\"input\": ..., \"target\": ...} or a `fullband data "
+                        "prepare --labelled` directory; both are detected): the loss only at the targets, the model "
+                        "at input t predicting target t (fullband.data.labelled)")
     add_config_arguments(p, TrainConfig)
     p.set_defaults(func=run_cli)
 
@@ -127,7 +132,8 @@ def run_cli(args) -> int:
         return 0
     cfg, _ = config_from_args(args, args.resume)
     tune_cpu_allocator()
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    summary = (train_labelled if wants_labelled(cfg, args.labelled) else train)(cfg, resume=args.resume,
+                                                                                 overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         code = report_status("train", summary)
         if code is not None:
