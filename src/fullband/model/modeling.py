@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, StaticCache
@@ -42,6 +41,7 @@ from .generation import FeedbackGenerationMixin
 from .lm_loss import check_chunkable, chunked_lm_loss, z_loss_from_logits
 from .objective import combine_pass_losses
 from .outputs import FullBandwidthOutput
+from .sharding import embedding_rms, gathered_once
 
 StateHook = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -51,35 +51,6 @@ def _zero_unscored(terms: list) -> list:
     zeros: the objective's part that has gradient, whose backward is the whole objective's."""
     ref = next(t for t in terms if t is not None)
     return [ref.new_zeros(()) if t is None else t for t in terms]
-
-
-@contextlib.contextmanager
-def gathered_once(model: torch.nn.Module):
-    """Inside this scope every FSDP2-sharded sub-module of ``model`` is all-gathered once, on its first call, and
-    kept whole until the scope ends (then resharded as it was): the token-by-token recurrence calls each decoder
-    layer T times, and FSDP2 would otherwise all-gather every layer for every token (and free it again). A no-op
-    for a model that is not sharded. Memory: the whole model's parameters for the scope."""
-    mods = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    before = []
-    for m in mods:
-        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
-        before.append(group is None or group.post_forward_mesh_info is not None)  # did it reshard after forward
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m, reshard in zip(mods, before):
-            m.set_reshard_after_forward(reshard, recurse=False)
-            if reshard:
-                m.reshard()
-
-
-def embedding_rms(embeddings) -> float:
-    """RMS of an embedding matrix: the scale the fused input is initialised to."""
-    weight = embeddings.weight.detach()
-    if isinstance(weight, DTensor):  # FSDP2-sharded (possibly unevenly): a scalar all-reduce, not a gather
-        return float((weight.float().pow(2).sum().full_tensor() / weight.numel()).sqrt())
-    return float(weight.float().pow(2).mean().sqrt())
 
 
 class FullBandwidthPreTrainedModel(PreTrainedModel):

@@ -144,6 +144,12 @@ class TrainConfig:
             return {"exact_states": True}
         return {"grad_passes": self.grad_passes or None, "pass_tol": self.pass_tol or None}
 
+    def fed_back_evaluation(self) -> tuple[str, int | str]:
+        """The periodic evaluation's fed-back mode and its label: ``("passes", K)``, or with ``--exact-states``
+        (trained on the exact recurrence, never on K teacher-forced passes from a plain start) ``("exact",
+        "exact")``."""
+        return ("exact", "exact") if self.exact_states else ("passes", self.num_passes)
+
     def step_passes(self, num_passes: int) -> int:
         """The forward's ``num_passes`` on a step whose schedule says K = ``num_passes``: K itself, or with
         ``--exact-states`` on a fed-back step (K > 1) the ``--grad-passes`` N gradient passes after the exact

@@ -142,8 +142,9 @@ class LabelledRecipe(PretrainRecipe):
             return None
         rec = {"val_loss": self.held_out_loss(model, env, "standard")}
         if cfg.num_passes > 1 and step > feedback_start:
-            rec["val_loss_passes"] = self.held_out_loss(model, env, "passes", cfg.num_passes)
-            rec["val_num_passes"] = cfg.num_passes
+            mode, label = cfg.fed_back_evaluation()
+            rec["val_loss_passes"] = self.held_out_loss(model, env, mode, cfg.num_passes)
+            rec["val_num_passes"] = label
         return rec
 
     def summarize(self, summary):

@@ -241,8 +241,9 @@ class PretrainRecipe(Recipe):
         bs = max(1, cfg.batch_size // env.world_size)
         rec = {"val_loss": split_loss(model, rows, env, "standard", batch_size=bs), "val_tokens": rows[:, 1:].numel()}
         if cfg.num_passes > 1 and step > feedback_start:
-            rec["val_loss_passes"] = split_loss(model, rows, env, "passes", num_passes=cfg.num_passes, batch_size=bs)
-            rec["val_num_passes"] = cfg.num_passes
+            mode, label = cfg.fed_back_evaluation()
+            rec["val_loss_passes"] = split_loss(model, rows, env, mode, num_passes=cfg.num_passes, batch_size=bs)
+            rec["val_num_passes"] = label
         return rec
 
     finish_needs_model = False
