@@ -274,6 +274,11 @@ def test_depth_exact_mode_matches_a_reference_recurrence(tmp_path):
     problems = make_depth_problems(["pointer", "compose"], 40, seed=9, max_k=3, max_think=2)
     rows, pos = encode_rows(tok, problems, row_length(3, 2, ["pointer", "compose"]))
     idx = torch.arange(rows.shape[0])
+    # the answer slots hold the reference's own plain predictions (a quick run may answer none right, where
+    # correctness could not change under any intervention): "correct" then means "predicts what the plain
+    # recurrence predicts", so every answer an intervention moves is a flip (the logits at pos - 1 do not read the
+    # token at pos: causal)
+    rows[idx, pos] = ref.recurrence_logits(model, rows)[idx, pos - 1].argmax(-1)
 
     def reference_answers(hook=None):
         logits = ref.recurrence_logits(model, rows, state_hook=hook)

@@ -6,7 +6,9 @@ in K and the FLOP count of passes without gradient, the new ``fullband train`` f
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from reference import feedback_mask, fuse, recurrence_logits, scoring_flops
 from fullband import cli
 from fullband.eval.depth_tasks import permutations_of
 from fullband.eval.flops import training_flops
+from fullband.eval.scoring import load_any_model
 from fullband.eval.state_tasks import (
     LabelTable,
     dense_labels,
@@ -24,6 +27,7 @@ from fullband.eval.state_tasks import (
     make_state_problems,
     state_tokenizer,
 )
+from fullband.experiments.state import held_out, training_corpus
 from fullband.training.config import TrainConfig
 from fullband.training.schedule import FeedbackSchedule
 from fullband.utils.stats import bootstrap_ci_within_seeds
@@ -116,7 +120,8 @@ def test_grad_passes_gradients_equal_the_truncated_reference(grad_passes):
     ids = random_ids(3, 9, seed=5)
     K = 4
     params = [p for p in model.parameters() if p.requires_grad]
-    out = model(ids, labels=ids, num_passes=K, grad_passes=grad_passes)
+    # score_all_passes: the passes without gradient scored too (their losses detached), the reference's full value
+    out = model(ids, labels=ids, num_passes=K, grad_passes=grad_passes, score_all_passes=True)
     got = torch.autograd.grad(out.loss, params, allow_unused=True)
     ref_loss = reference_loss(model, ids, K, grad_passes)
     want = torch.autograd.grad(ref_loss, params, allow_unused=True)
@@ -252,13 +257,14 @@ def test_curriculum_in_k_by_hand():
 
 
 def test_flops_of_passes_without_gradient_by_hand():
-    fp = {"matmul_params": 100, "fusion_params": 10, "layers": 1, "hidden": 4}
+    fp = {"matmul_params": 100, "head_params": 20, "fusion_params": 10, "layers": 1, "hidden": 4}
     per_pass = 6 * 100 + 6 * 1 * 8 * 4  # 792 per token: 6N + 6 L T d at T = 8
+    free_pass = 2 * (100 - 20) + 2 * 1 * 8 * 4  # 224: a forward without the LM head (not scored, no logits)
     full = training_flops([{"num_passes": 11}], 2, 8, fp)
     assert full["flops"] == 2 * (11 * per_pass + 10 * 60)
-    # 11 passes, the last 2 with gradient: 9 forwards (a third each) + 2 full passes; pass 1 is a forward only
+    # 11 passes, the last 2 with gradient: 9 forwards without the head + 2 full passes; pass 1 is not fused
     part = training_flops([{"num_passes": 11, "passes_run": 11, "grad_passes_run": 2}], 2, 8, fp)
-    assert part["flops"] == pytest.approx(2 * ((2 + 9 / 3) * per_pass + (2 + 8 / 3) * 60))
+    assert part["flops"] == pytest.approx(2 * (2 * per_pass + 9 * free_pass + 2 * 60 + 8 * 20))
     # an early stop after 5 passes, all with gradient
     stop = training_flops([{"num_passes": 11, "passes_run": 5, "grad_passes_run": 5}], 2, 8, fp)
     assert stop["flops"] == 2 * (5 * per_pass + 4 * 60)
@@ -280,7 +286,38 @@ def test_train_flags_and_validation(capsys):
 # ---------------------------------------------------------------------------------------------- the experiment
 
 
+def hand_flops_per_token(layers: int, d: int, vocab: int, seq: int, passes: int = 1, grad: int | None = None) -> float:
+    """Training FLOPs per token of one step of the state experiment's Llama (``layers``, width ``d``, MLP ``2d``,
+    as many KV heads as heads, untied head), written from its shape: 6 FLOPs per matmul weight and token per pass with
+    gradient (forward 2, backward 4) plus ``6·L·T·d`` attention; a pass without gradient its forward only, 2 per
+    weight and ``2·L·T·d``, without the LM head (it is not scored: no logits); the GLU fusion (W_G, W_U: 2d², the
+    output norm's gain d) on passes 2..K, 6 per weight with gradient, 2 without. The weights: per layer q, k, v, o
+    4d², MLP 3·d·2d, two norm gains 2d; the final norm d; the LM head V·d (the input embedding is a lookup)."""
+    head = vocab * d
+    weights = layers * (4 * d * d + 6 * d * d + 2 * d) + d + head
+    pass_ = 6 * weights + 6 * layers * seq * d
+    free_pass = 2 * (weights - head) + 2 * layers * seq * d
+    fusion = 2 * d * d + d
+    grad = passes if grad is None else grad
+    fused_grad = min(grad, passes - 1)
+    return (grad * pass_ + (passes - grad) * free_pass + fused_grad * 6 * fusion
+            + (passes - 1 - fused_grad) * 2 * fusion)
+
+
 def test_state_experiment_quick_end_to_end(tmp_path, capsys):
+    """``fullband experiment state --quick`` end to end, every number checked against a computation of its own that
+    shares nothing with the experiment's (bugs each part catches in brackets):
+
+    * the exact-mode results of both FBT arms: recomputed from the saved models with the token-by-token recurrence
+      and the generator's own labels (scoring another mode or misaligned labels; a table that is not the mean of
+      the per-row results);
+    * no test row is a training row of any arm (the old T = 10 parity column was training accuracy);
+    * the interventions: mean and shuffle on every FBT arm, zero only on the residual entry (zero on the pure GLU
+      zeroes the whole input); their per-row results recomputed with hooks written here;
+    * training FLOPs of every arm with a fixed step count from the model's shape (a wrong ``run_flops``), and the
+      equal-FLOPs controls' steps: the fewest plain steps that reach fbt-L's hand-counted FLOPs;
+    * the cost table's FLOP ratios from the same hand count, and activation memory growing with K;
+    * inference FLOPs against a count from the saved weights (tests/reference.py)."""
     out = tmp_path / "state"
     arms = ("baseline-L,baseline-2L,baseline-4L,fbt-L,fbt-L-glu,baseline-L-flops,baseline-L-epochs,fbt-L-glu-g2,"
             "fbt-L-glu-tol")
@@ -290,60 +327,99 @@ def test_state_experiment_quick_end_to_end(tmp_path, capsys):
     assert printed["table"] == res["table"]
     assert res["seeds"] == [0] and list(res["per_seed"]) == ["0"]  # --seeds defaults to one seed, 0
     s = res["settings"]
-    lengths = [s["length"], 2 * s["length"], 4 * s["length"]]
-    assert s["lengths"] == lengths and s["num_passes"] == s["length"] + 1
+    T, K, n_test = s["length"], s["num_passes"], s["test_rows"]
+    lengths = [T, 2 * T, 4 * T]
+    assert s["lengths"] == lengths and K == T + 1
     tasks = s["tasks"].split(",")
     assert res["arms"] == arms.split(",")
-    cells = {(r["arm"], r["mode"], r["task"], r["length"]) for r in res["table"]}
+    tok = state_tokenizer()
+    vocab = tok.get_vocab()
+    run = lambda arm: out / "seed0" / "runs" / arm  # noqa: E731
     seed0 = res["per_seed"]["0"]
+    # the test rows, drawn here from the documented seeds; the training rows of baseline-L (and of the FBT arms)
+    a = argparse.Namespace(**(s | {"tasks_list": tasks, "seed": 0, "random_positions": False}))
+    held = held_out(a, tok)
+    train = {tuple(r) for r in training_corpus(a, tok, s["steps"], 0, held).train_rows.tolist()}
+    problems = {}
+    for j, task in enumerate(tasks):
+        for m in (1, 2, 4):
+            problems[(task, T * m)] = make_state_problems([task], n_test, 1_000_003 * (1 + m) + 101 * j, T * m)
+            rows = encode_state_rows(tok, problems[(task, T * m)])
+            assert not {tuple(r) for r in rows.tolist()} & train
+    for arm in ("fbt-L", "fbt-L-glu"):
+        model = load_any_model(str(run(arm)))[0].eval()
+        for (task, n), probs in problems.items():
+            rows = encode_state_rows(tok, probs)
+            labels = torch.tensor([[vocab[w] for w in p.outputs] for p in probs])
+            clean = model.recurrent_forward(rows)
+            hit = (clean.logits[:, 1:-1].argmax(-1) == labels).double()
+            got = seed0[arm]["correct"]["exact"][f"{task}/{n}"]
+            assert got["pos"] == pytest.approx(hit.mean(1).tolist()) and got["last"] == hit[:, -1].long().tolist()
+            assert got["by_position"] == pytest.approx(hit.mean(0).tolist())
+            h = clean.last_hidden_state
+            hooks = {"mean": lambda t, prev: h.mean(0, keepdim=True)[:, t - 1:t].expand_as(prev),
+                     "shuffle": lambda t, prev: torch.roll(h, 1, dims=0)[:, t - 1:t]}  # row i: row i-1's state
+            if arm == "fbt-L":
+                hooks["zero"] = lambda t, prev: torch.zeros_like(prev)
+            assert sorted(k for k in seed0[arm]["correct"] if "/" in k) == sorted(f"exact/{k}" for k in hooks)
+            for name, hook in hooks.items():
+                hit = (model.recurrent_forward(rows, state_hook=hook).logits[:, 1:-1].argmax(-1) == labels).double()
+                assert seed0[arm]["correct"][f"exact/{name}"][f"{task}/{n}"]["pos"] == pytest.approx(
+                    hit.mean(1).tolist()), (arm, name, task, n)
+    for row in res["table"]:
+        v = seed0[row["arm"]]["correct"][row["mode"]][f"{row['task']}/{row['length']}"]
+        assert len(v["pos"]) == n_test and row["pos"]["estimate"] == pytest.approx(sum(v["pos"]) / n_test)
+        assert row["last"]["estimate"] == pytest.approx(sum(v["last"]) / n_test)
+    cells = {(r["arm"], r["mode"], r["task"], r["length"]) for r in res["table"]}
     for arm in res["arms"]:
         modes = ["standard", "K=2", "exact"] if arm.startswith("fbt") else ["standard"]
-        assert list(seed0[arm]["correct"]) == modes + (["exact/zero", "exact/shuffle"] if arm.startswith("fbt")
-                                                        else [])
-        for mode in modes:
-            for task in tasks:
-                for n in lengths:
-                    assert (arm, mode, task, n) in cells
-                    v = seed0[arm]["correct"][mode][f"{task}/{n}"]
-                    assert len(v["pos"]) == len(v["last"]) == s["test_rows"] and len(v["by_position"]) == n
-                    row = next(r for r in res["table"] if (r["arm"], r["mode"], r["task"], r["length"])
-                               == (arm, mode, task, n))
-                    assert row["pos"]["estimate"] == pytest.approx(sum(v["pos"]) / len(v["pos"]))
-                    assert row["last"]["estimate"] == pytest.approx(sum(v["last"]) / len(v["last"]))
-    # equal tokens, except the equal-FLOPs controls, which train for the first FBT arm's FLOPs
+        assert cells >= {(arm, mode, t, n) for mode in modes for t in tasks for n in lengths}
+    for r in res["interventions"]:
+        exact = seed0[r["arm"]]["correct"]["exact"][f"{r['task']}/{r['length']}"]["pos"]
+        inter = seed0[r["arm"]]["correct"][f"exact/{r['intervention']}"][f"{r['task']}/{r['length']}"]["pos"]
+        assert r["delta"]["estimate"] == pytest.approx(sum(x - y for x, y in zip(inter, exact)) / n_test)
+    # training FLOPs from the shape (seq = T + 2; quick: L = 1, d = 32), not from the package's FLOP helpers
     runs = res["runs"]
-    controls = ("baseline-L-flops", "baseline-L-epochs")
-    assert len({runs[a]["tokens"] for a in res["arms"] if a not in controls}) == 1
-    for control in controls:
-        assert runs[control]["train_flops"] >= runs["fbt-L"]["train_flops"] * 0.99
-        assert runs[control]["steps"] > runs["baseline-L"]["steps"]
+    L, d, V, seq = s["layers"], s["hidden"], len(tok), T + 2
+    tokens = s["steps"] * s["batch_size"] * seq
+    want = {"baseline-L": tokens * hand_flops_per_token(L, d, V, seq),
+            "baseline-2L": tokens * hand_flops_per_token(2 * L, d, V, seq),
+            "baseline-4L": tokens * hand_flops_per_token(4 * L, d, V, seq),
+            "fbt-L": tokens * hand_flops_per_token(L, d, V, seq, K),
+            "fbt-L-glu": tokens * hand_flops_per_token(L, d, V, seq, K),
+            "fbt-L-glu-g2": tokens * hand_flops_per_token(L, d, V, seq, K, grad=2)}
+    for arm, flops in want.items():
+        assert runs[arm]["train_flops"] == pytest.approx(flops, rel=1e-9), arm
+        assert runs[arm]["steps"] == s["steps"]
+    plain_step = s["batch_size"] * seq * hand_flops_per_token(L, d, V, seq)
+    control_steps = math.ceil(want["fbt-L"] / plain_step)
+    assert control_steps > s["steps"]
+    for control in ("baseline-L-flops", "baseline-L-epochs"):
+        assert runs[control]["steps"] == control_steps
+        assert runs[control]["train_flops"] == pytest.approx(control_steps * plain_step, rel=1e-9)
+    assert runs["fbt-L-glu-tol"]["train_flops"] <= want["fbt-L-glu"] * (1 + 1e-9)
     assert "| baseline-L-epochs | standard | s3 | baseline-L |" in (out / "report.md").read_text()
-    # the truncated-gradient arm costs less than the full one
-    assert runs["fbt-L-glu-g2"]["train_flops"] < runs["fbt-L-glu"]["train_flops"]
-    inter = {(r["arm"], r["task"], r["length"], r["intervention"]) for r in res["interventions"]}
-    assert len(inter) == sum(a.startswith("fbt") for a in res["arms"]) * len(tasks) * len(lengths) * 2
-    cost = res["cost"]
-    assert {(c["num_passes"], c["grad_passes"]) for c in cost} >= {(1, 1), (s["num_passes"], s["num_passes"]),
-                                                                  (s["num_passes"], 2), (s["num_passes"], 1)}
-    assert all(c["step_seconds"] > 0 and c["saved_mib"] > 0 for c in cost)
-    full = next(c for c in cost if c["num_passes"] == s["num_passes"] and c["grad_passes"] == s["num_passes"]
-                and c["pass_tol"] is None)
-    one = next(c for c in cost if c["grad_passes"] == 1 and c["num_passes"] == s["num_passes"])
-    assert one["saved_mib"] < full["saved_mib"] and one["flops_ratio"] < full["flops_ratio"]
-    assert (out / "state.png").stat().st_size > 0 and "| fbt-L | exact |" in (out / "report.md").read_text()
+    cost = {(c["num_passes"], c["grad_passes"], c["pass_tol"]): c for c in res["cost"]}
+    assert {(1, 1, None), (2, 2, None), (K, K, None), (K, 2, None), (K, 1, None)} <= set(cost)
+    for (k, g, tol), c in cost.items():
+        if tol is None:  # FLOPs of one step of the cost table's rows (S3, T + 2 tokens) by hand, over a plain step
+            assert c["flops_ratio"] == pytest.approx(hand_flops_per_token(L, d, V, seq, k, grad=g)
+                                                     / hand_flops_per_token(L, d, V, seq), rel=1e-9)
+    full = [cost[(k, k, None)]["saved_mib"] for k in sorted({k for k, g, t in cost if g == k and t is None})]
+    assert full == sorted(full) and full[0] < full[-1]  # autograd saves more with every pass it backpropagates
+    assert cost[(K, 1, None)]["saved_mib"] < cost[(K, 2, None)]["saved_mib"] < cost[(K, K, None)]["saved_mib"]
+    report = (out / "report.md").read_text()
+    assert "| fbt-L | exact |" in report and "resamples its test rows, not seeds" in report
+    assert (out / "state.png").stat().st_size > 0
     # inference FLOPs per token, x the L-layer model's standard pass on the same rows: against a count written from
     # the saved weights' parameter counts (tests/reference.py); the standard pass of every L-layer model exactly 1
-    run = lambda arm: out / "seed0" / "runs" / arm  # noqa: E731
     for r in res["table"]:
-        T = r["length"] + 2  # the rows scored: BOS, the T inputs, EOS
+        n = r["length"] + 2  # the rows scored: BOS, the inputs, EOS
         mode = {"standard": "standard", "K=2": "passes", "exact": "exact"}[r["mode"]]
-        want = scoring_flops(run(r["arm"]), T, mode) / scoring_flops(run("baseline-L"), T, "standard")
-        assert r["inference_flops"] == pytest.approx(want, rel=1e-12), (r["arm"], r["mode"], T)
+        want_inf = scoring_flops(run(r["arm"]), n, mode) / scoring_flops(run("baseline-L"), n, "standard")
+        assert r["inference_flops"] == pytest.approx(want_inf, rel=1e-12), (r["arm"], r["mode"], n)
         if r["mode"] == "standard" and runs[r["arm"]]["layers"] == s["layers"]:
             assert r["inference_flops"] == 1.0
-    by = {(r["arm"], r["mode"], r["length"]): r["inference_flops"] for r in res["table"]}
-    assert 1.0 < by[("fbt-L", "exact", s["length"])] < by[("fbt-L", "K=2", s["length"])]
-    assert by[("baseline-4L", "standard", s["length"])] > by[("baseline-2L", "standard", s["length"])] > 1.0
 
 
 def test_state_seeds_reuse_a_moved_seed_and_aggregate_per_seed(tmp_path, capsys):
@@ -400,9 +476,16 @@ def test_state_seeds_reuse_a_moved_seed_and_aggregate_per_seed(tmp_path, capsys)
         data = {a: json.loads((runs / a / "summary.json").read_text())["data_sha256"] for a in arms.split(",")}
         epochs, flops, base = cfg["baseline-L-epochs"], cfg["baseline-L-flops"], cfg["baseline-L"]
         assert epochs["unique_batches"] == base["steps"] == 6 and flops["unique_batches"] == 0
-        per_step = per[s]["baseline-L"]["train_flops"] / base["steps"]
-        assert epochs["steps"] == flops["steps"]
-        assert (epochs["steps"] - 1) * per_step < per[s]["fbt-L"]["train_flops"] <= epochs["steps"] * per_step
+        # FLOPs from the model's shape (quick: L = 1, d = 32, rows of T + 2 = 6), not from run_flops on both sides
+        st = res["settings"]
+        seq, tokens = st["length"] + 2, st["batch_size"] * (st["length"] + 2)
+        per_step = tokens * hand_flops_per_token(st["layers"], st["hidden"], len(state_tokenizer()), seq)
+        fbt = base["steps"] * tokens * hand_flops_per_token(st["layers"], st["hidden"], len(state_tokenizer()), seq,
+                                                            st["num_passes"])
+        assert per[s]["fbt-L"]["train_flops"] == pytest.approx(fbt, rel=1e-9)
+        assert per[s]["baseline-L"]["train_flops"] == pytest.approx(base["steps"] * per_step, rel=1e-9)
+        assert epochs["steps"] == flops["steps"] == math.ceil(fbt / per_step)
+        assert (epochs["steps"] - 1) * per_step < fbt <= epochs["steps"] * per_step
         assert data["baseline-L-epochs"] == data["baseline-L"] != data["baseline-L-flops"]
         assert epochs["num_passes"] == 1
         same = ("out", "steps", "unique_batches")

@@ -481,8 +481,11 @@ def test_quickstart_smoke(tmp_path, capsys):
             cell = f"{r['pos']['estimate']:.2f} [{r['pos']['low']:.2f}, {r['pos']['high']:.2f}] / {r['last']['estimate']:.2f}"
             line = next(x for x in table.splitlines() if x.startswith(f"| {r['task']} | {r['arm']} ({r['mode']}) |"))
             assert line.split(" | ")[2 + [10, 20, 40].index(r["length"])].strip(" |") == cell
-    zeroed = [x for x in table.splitlines() if "state zeroed" in x]
-    assert [x.split(" | ")[0] for x in zeroed] == ["| s3", "| parity"]
+    # the state replaced, the token kept (a zeroed state would zero the GLU entry's whole input): both interventions
+    for label in ("mean state, token kept", "another row's state, token kept"):
+        lines = [x for x in table.splitlines() if label in x]
+        assert [x.split(" | ")[0] for x in lines] == ["| s3", "| parity"], label
+    assert "state zeroed" not in table
 
 
 # ----------------------------------------------------------------------------------------------- io

@@ -193,6 +193,7 @@ def add_state_parser(ex) -> None:
                    help=f"comma-separated arms (default: {','.join(state.DEFAULT_ARMS)}); also "
                         + ", ".join(state.ARM_NAMES[len(state.DEFAULT_ARMS):]))
     r.add_argument("--no-cost", action="store_true", help="skip the cost table (step time and memory per K)")
+    state.add_arguments(r)
     add_run_arguments(r, state.DEFAULTS, "per-row")
     r.set_defaults(func=lambda args: (state.run_state(args), 0)[1])
 

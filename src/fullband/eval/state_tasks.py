@@ -106,8 +106,13 @@ def state_problem(task: str, rng: random.Random, length: int) -> StateProblem:
     raise ValueError(f"unknown state task {task!r}: choose from {', '.join(TASKS)}")
 
 
-def make_state_problems(tasks, n: int, seed: int, length: int) -> list[StateProblem]:
-    """``n`` streams of ``length`` inputs cycling over ``tasks``, seeded (test sets use other seeds)."""
+MAX_REDRAWS = 10_000  # consecutive draws that all fell on held-out rows: the held-out rows cover (almost) the task
+
+
+def make_state_problems(tasks, n: int, seed: int, length: int, exclude=frozenset()) -> list[StateProblem]:
+    """``n`` streams of ``length`` inputs cycling over ``tasks``, seeded (test sets use other seeds). A stream whose
+    :func:`problem_key` is in ``exclude`` (held-out rows) is redrawn, so none of the returned streams is one of them;
+    a one-line error when the held-out rows leave (almost) no stream of a task to draw."""
     tasks = list(tasks)
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
@@ -115,7 +120,23 @@ def make_state_problems(tasks, n: int, seed: int, length: int) -> list[StateProb
     if length < 1:
         raise ValueError(f"the stream length must be >= 1, got {length}")
     rng = random.Random(seed)
-    return [state_problem(tasks[i % len(tasks)], rng, length) for i in range(n)]
+    out = []
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        for _ in range(MAX_REDRAWS):
+            p = state_problem(task, rng, length)
+            if problem_key(p) not in exclude:
+                break
+        else:
+            raise ValueError(f"the held-out rows cover (almost) every {task} stream of length {length}: raise "
+                             "--length or lower --test-rows")
+        out.append(p)
+    return out
+
+
+def problem_key(p: StateProblem) -> tuple:
+    """What makes two streams the same row: the task and the inputs (the labels follow from them)."""
+    return (p.task, p.inputs)
 
 
 # ----------------------------------------------------------------------------------------------- vocabulary

@@ -28,8 +28,9 @@ What it does (defaults sized for a few minutes on 2 CPU cores):
 5. shows where the fed-back state must pay (:mod:`fullband.experiments.quickstart_state`, ``--no-state`` skips it):
    the running-state tasks of ``fullband experiment state`` (S3 and parity, a label at every position) at a cheap
    setting, the L-layer FBT model trained with the exact recurrence vs plain L- and 2L-layer models on equal
-   tokens, tested at T, 2T and 4T, FBT in exact mode and with its state zeroed; its runs and full report in
-   ``OUT/state/``;
+   tokens, tested at T, 2T and 4T on rows none of them trained on, FBT in exact mode and with only its fed-back
+   state replaced (the test rows' mean state at that step, another row's state; the token kept); its runs and
+   full report in ``OUT/state/``;
 6. writes ``OUT/report.md`` (tables, targets, curves, samples), ``OUT/results.json``, ``OUT/curves.png``, and the
    models with their tokenizer in ``OUT/baseline/``, ``OUT/fbt/``, ``OUT/baseline-flops/`` and
    ``OUT/baseline-epochs/``; prints the tables.
@@ -209,8 +210,9 @@ def run_quickstart(args) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples < 0 or args.sample_tokens < 1 or args.prompt_tokens < 1:
         raise ValueError("--samples must be >= 0, --sample-tokens and --prompt-tokens >= 1")
-    if args.state_steps < 1 or args.state_test_rows < 1:
-        raise ValueError("--state-steps and --state-test-rows must be >= 1")
+    if args.state_steps < 1 or args.state_test_rows < 2:
+        raise ValueError("--state-steps must be >= 1 and --state-test-rows >= 2 (the shuffle intervention feeds each "
+                         "test row another row's state)")
     if args.num_passes < 2:
         raise ValueError(f"--num-passes must be >= 2 for the FBT model, got {args.num_passes}")
     if args.score_prompt is None:  # a quarter of a row, at most 32 tokens
@@ -354,9 +356,12 @@ def _state_section(part: dict | None) -> list[str]:
             f"model {s['steps']} steps x {s['batch_size']} rows (equal tokens), Llama d{s['hidden']}, L = "
             f"{s['layers']}; `fbt-L-glu` is the L-layer model with feedback (the paper's GLU entry) trained with K = "
             f"{s['num_passes']} passes on every step (the exact recurrence at every labelled position); "
-            f"`baseline-2L` has twice the layers. Tested on {s['test_rows']} fresh rows per task and length, at the "
-            "training length and beyond (length generalisation); FBT in exact mode (token by token, as it decodes) "
-            "and with its fed-back state zeroed (how much the state carries). Per-position accuracy [95% CI] / "
+            f"`baseline-2L` has twice the layers. Tested on {s['test_rows']} fresh rows per task and length (none of "
+            "them a training row), at the training length and beyond (length generalisation); FBT in exact mode "
+            "(token by token, as it decodes) and with only its fed-back state replaced, the token kept: by the mean "
+            "over the test rows of the state at that step, or by the state another row had there (how much the "
+            "state carries; a zeroed state is no such test on the GLU entry, it zeroes the whole input). The CI "
+            "resamples the test rows of this one seed, not seeds. Per-position accuracy [95% CI] / "
             "last-position accuracy; training seconds: " + ", ".join(
                 f"{n} {v:.0f}s" for n, v in part["train_seconds"].items()) + ". The equal-FLOPs controls, deeper "
             "baselines, S5, variable tracking and the cost per K are in `fullband experiment state`; this part's full "

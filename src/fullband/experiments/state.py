@@ -12,9 +12,16 @@ equal-FLOPs controls).
 Seeds (``--seeds 0,1``): each seed is a run of the whole experiment of its own, in ``OUT/seed{N}/`` (its initial
 backbones in ``OUT/seed{N}/init/``, its arms in ``OUT/seed{N}/runs/``: training rows, test rows, initial weights and
 data order all from that seed), so a later invocation with more seeds and the same ``--out`` trains only the new
-ones. The tables show the mean over seeds with a 95% CI that resamples the test rows within each seed
-(:func:`fullband.utils.stats.bootstrap_ci_within_seeds`; each seed has test rows of its own), the per-seed values
-beside it in ``results.json``.
+ones. The tables show the mean over seeds with a 95% CI that resamples the test rows within each seed only
+(:func:`fullband.utils.stats.bootstrap_ci_within_seeds`; it does not cover seed-to-seed variation), and the range
+of the per-seed values beside it (``{min..max}``; the values themselves in ``results.json``).
+
+Held-out rows: each seed draws its test rows (each task at T, 2T, 4T) and validation rows (each task at T) first;
+no arm's training rows include one of them (training draws skip them; :class:`HeldOut` checks the token rows before
+anything is scored and refuses otherwise). At T = 10 parity has only 1,024 strings: without this every test row
+was a training row. ``--plain-lrs a,b,c`` trains baseline-L/2L/4L at each LR and keeps the one best on the
+validation rows; ``--random-positions`` trains every arm on randomized position ids covering the 4T rows' relative
+distances, the control that separates carrying the state from RoPE extrapolation at 2T / 4T.
 
 Arms (every one the same steps on the same rows -- equal tokens -- except the two equal-FLOPs controls):
 
@@ -27,21 +34,27 @@ Arms (every one the same steps on the same rows -- equal tokens -- except the tw
 * ``baseline-L-epochs``: the same steps as baseline-L-flops, re-reading exactly baseline-L's rows epoch after epoch
   (``--unique-batches`` = ``--steps``: equal unique tokens AND equal FLOPs), its own full LR schedule;
 * not in the default set (``--arms``): ``fbt-L-glu-g2`` / ``-g1`` (``--grad-passes 2`` / ``1``), ``fbt-L-glu-tol``
-  (``--pass-tol`` early stop), ``fbt-L-glu-cur`` (a curriculum in K over the first half of the steps): the cheaper settings.
+  (``--pass-tol`` early stop), ``fbt-L-glu-cur`` (a curriculum in K over the first half of the steps): the
+  cheaper settings.
 
 FBT arms are scored in ``standard`` (no feedback), ``K=2`` (two teacher-forced passes) and ``exact`` (the
 token-by-token recurrence) mode, all through :func:`fullband.eval.scoring.mode_logits`; in exact mode the fed-back
-state is zeroed (``exact/zero``) or taken from another row of the same task (``exact/shuffle``) to show whether it
-is used. Reported per (task, length): per-position accuracy and last-position accuracy with 95% bootstrap CIs, each
-mode's inference FLOPs per token (x the L-layer model's standard pass, counted from what the scorer runs:
-:func:`fullband.experiments.synthetic.mode_cost`), the paired per-row differences to baseline-L and baseline-4L (and,
-for the FBT arms, to both equal-FLOPs controls), the interventions' paired effects, and the cost table.
+state alone is replaced (the token kept) by the mean over the test rows of the state at that step (``exact/mean``)
+or by the state another row of the same task had at that step (``exact/shuffle``), and by a zero state
+(``exact/zero``) only where that keeps the token (the residual entry; on the pure GLU a zero state zeroes the whole
+input): :func:`intervention_hook`. Reported per (task, length): per-position accuracy and last-position accuracy
+with 95% bootstrap CIs, each mode's inference FLOPs per token (x the L-layer model's standard pass, counted from
+what the scorer runs: :func:`fullband.experiments.synthetic.mode_cost`), the paired per-row differences to
+baseline-L and baseline-4L (and, for the FBT arms, to both equal-FLOPs controls), the interventions' paired effects,
+and the cost table.
 Writes ``results.json`` (per-row results included), ``report.md`` and ``state.png`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import os
 import platform
 import sys
@@ -61,19 +74,23 @@ from ..eval.state_tasks import (
     exact_passes,
     make_state_problems,
     predicted_states,
+    problem_key,
     state_tokenizer,
 )
 from ..model.configuration import has_feedback
 from ..training.device import load_average
 from ..training.distributed import resolve_device
-from ..training.pretrain import PretrainRecipe
-from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
-from .common import accuracy_panels, apply_quick, pick_arms, refuse_changed_runs, write_outputs
+from ..training.pretrain import PretrainRecipe, rows_fingerprint
+from .common import apply_quick, pick_arms, refuse_changed_runs, write_outputs
 from .state_cost import measure_costs
+from .interventions import (  # noqa: F401 - INTERVENTIONS, zero_keeps_token: the experiment's API
+    INTERVENTIONS, exact_states, intervention_hook, interventions_for, zero_keeps_token)
+from .state_report import SWEPT, _mean, analyse, fmt_ci, plot, report, tables  # noqa: F401 - fmt_ci: API
 from .synthetic import (
     CONTROL_ARMS,
     EPOCHS_ARM,
     FLOPS_ARM,
+    MAX_POSITIONS,
     Arm,
     arm_config,
     control_reference,
@@ -89,12 +106,11 @@ ARM_NAMES = ("baseline-L", "baseline-2L", "baseline-4L", "fbt-L", "fbt-L-glu", F
              "fbt-L-glu-g2", "fbt-L-glu-g1", "fbt-L-glu-tol", "fbt-L-glu-cur")
 DEFAULT_ARMS = ARM_NAMES[:7]
 FBT_MODES = (("standard", "standard", 1), ("K=2", "passes", 2), ("exact", "exact", None))
-INTERVENTIONS = ("zero", "shuffle")
 MULTIPLES = (1, 2, 4)
-REFS = ("baseline-L", "baseline-4L", FLOPS_ARM, EPOCHS_ARM)  # paired references; the controls for FBT arms only
 
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "state"), layers=2, hidden=128, heads=4, steps=600,
                 batch_size=64, lr=2e-3, tasks="s3,s5,parity,vars", length=10, test_rows=200, pass_tol=0.01, seeds="0")
+OPTIONS = dict(plain_lrs=None, random_positions=False)  # the options of add_arguments (absent: these)
 QUICK = dict(layers=1, hidden=32, heads=2, steps=6, batch_size=8, length=4, test_rows=8)
 
 
@@ -122,22 +138,112 @@ def make_arms(args) -> dict[str, Arm]:
     return {a.name: a for a in arms}
 
 
+def add_arguments(r) -> None:
+    """The state experiment's own options beyond the synthetic experiments' shared ones (``OPTIONS``)."""
+    r.add_argument("--plain-lrs", default=None,
+                   help="comma-separated peak LRs, e.g. 1e-3,3e-3,1e-2: baseline-L/2L/4L are each trained at every "
+                        "one and reported at the LR best on held-out validation rows (never the test rows) "
+                        "(default: --lr only)")
+    r.add_argument("--random-positions", action="store_true",
+                   help="train every arm on randomized positions (BOS at 0, the other position ids a sorted random "
+                        "subset of 1..4T+1), so the 2T / 4T test rows' relative distances were all seen in training")
+
+
+@dataclasses.dataclass
+class StateCorpus(Corpus):
+    """The training rows, and how their positions are drawn (``position_range``: 0 = contiguous, else
+    :func:`random_positions` in ``[0, position_range)``); both are the run's data identity (``fingerprint``: a run
+    trained on other positions is not reused)."""
+
+    position_range: int = 0
+
+    @property
+    def fingerprint(self) -> str:
+        rows = rows_fingerprint(self.train_rows, self.val_rows)
+        if not self.position_range:
+            return rows
+        return hashlib.sha256(f"{rows} random positions {self.position_range}".encode()).hexdigest()
+
+
+def random_positions(batch: int, length: int, limit: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch, length]`` position ids: 0 first (BOS), then a sorted random subset of ``1 .. limit - 1`` per row (the
+    randomized positional encodings of Ruoss et al., 2023). A constant offset per row would be no control: RoPE
+    attends by relative distance, so the logits would not change (tests/test_state_evidence.py)."""
+    rest = torch.rand(batch, limit - 1, generator=generator).argsort(1)[:, :length - 1].sort(1).values + 1
+    return torch.cat([torch.zeros(batch, 1, dtype=torch.long), rest], 1)
+
+
 class StateRecipe(PretrainRecipe):
-    """Pre-training on running-state rows with a label at every input position (:func:`dense_labels`)."""
+    """Pre-training on running-state rows with a label at every input position (:func:`dense_labels`); with a
+    corpus of randomized positions, each micro-batch's ``position_ids`` (seeded by the run's seed and the step)."""
 
     def batch(self, step, num_passes, generator, env):
         sb = super().batch(step, num_passes, generator, env)
         table = getattr(self, "_table", None) or LabelTable(self.tokenizer)
         self._table = table
+        limit = getattr(self.corpus, "position_range", 0)
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step) if limit else None
         for mb in sb.micro:
             mb["labels"] = dense_labels(mb["input_ids"], table)
+            if limit:  # an explicit all-ones mask: gapped ids without one may be read as packed samples' starts
+                ids = mb["input_ids"]
+                mb["position_ids"] = random_positions(*ids.shape, limit, g).to(ids.device)
+                mb["attention_mask"] = torch.ones_like(ids)
         return sb
 
 
-def training_corpus(args, tokenizer, steps: int, seed: int) -> Corpus:
+class HeldOut:
+    """The rows no arm may train on: every test row (each task at T, 2T, 4T) and the validation rows (each task at
+    T, drawn apart from the test rows; the LR sweep chooses on them). ``keys`` (:func:`problem_key`) keep training
+    draws off them; :meth:`refuse` checks token rows against them, independently of how the rows were drawn."""
+
+    def __init__(self, test: dict, val: dict, keys: set):
+        self.test, self.val, self.keys = test, val, keys
+        self._rows = {tuple(r) for sets in (test, val) for rows in sets.values() for r in rows.tolist()}
+
+    def overlap(self, rows: torch.Tensor, chunk: int = 65536) -> int:
+        return sum(tuple(r) in self._rows for i in range(0, rows.shape[0], chunk) for r in rows[i:i + chunk].tolist())
+
+    def refuse(self, rows: torch.Tensor, what: str) -> int:
+        """A ``RuntimeError`` when a row of ``rows`` is a held-out row (nothing is scored on rows trained on); else
+        the number of rows checked."""
+        n = self.overlap(rows)
+        if n:
+            raise RuntimeError(f"{what}: {n} training rows are held-out (test or validation) rows; the experiment "
+                               "refuses to score rows it trained on")
+        return rows.shape[0]
+
+
+def held_out(args, tokenizer) -> HeldOut:
+    """The test rows ``{(task, length): rows}`` of each task at T, 2T and 4T (seeds other than training's) and the
+    validation rows at T (other seeds, none of them a test row)."""
+    test, val, keys = {}, {}, set()
+    for j, task in enumerate(args.tasks_list):
+        for m in MULTIPLES:
+            probs = make_state_problems([task], args.test_rows, args.seed + 1_000_003 * (1 + m) + 101 * j,
+                                        args.length * m)
+            test[(task, args.length * m)] = encode_state_rows(tokenizer, probs)
+            keys |= {problem_key(p) for p in probs}
+    for j, task in enumerate(args.tasks_list):
+        probs = make_state_problems([task], args.test_rows, args.seed + 7_000_003 + 101 * j, args.length,
+                                    exclude=keys)
+        val[(task, args.length)] = encode_state_rows(tokenizer, probs)
+        keys |= {problem_key(p) for p in probs}
+    return HeldOut(test, val, keys)
+
+
+def position_range(args) -> int:
+    """0 (contiguous positions) or, with ``--random-positions``, 4T + 2: the longest test row's positions."""
+    return (MULTIPLES[-1] * args.length + 2) if args.random_positions else 0
+
+
+def training_corpus(args, tokenizer, steps: int, seed: int, held: HeldOut) -> StateCorpus:
+    """``steps`` batches of fresh training rows, none of them a held-out row (drawn apart, then checked)."""
     rows = encode_state_rows(tokenizer, make_state_problems(args.tasks_list, steps * args.batch_size, seed,
-                                                            args.length))
-    return Corpus(tokenizer, rows, torch.empty(0, rows.shape[1], dtype=torch.long), ["state-train"], [])
+                                                            args.length, exclude=held.keys))
+    held.refuse(rows, "the training rows")
+    return StateCorpus(tokenizer, rows, torch.empty(0, rows.shape[1], dtype=torch.long), ["state-train"], [],
+                       position_range=position_range(args))
 
 
 def parse_seeds(args) -> list[int]:
@@ -164,44 +270,80 @@ def plain_arms(names: list[str]) -> list[str]:
     return [n for n in names if n not in CONTROL_ARMS]
 
 
-def train_all(args, arms: dict, names: list[str], corpus, say) -> dict:
-    """Train (or reuse) every arm of one seed (``args``: :func:`seed_args`); returns ``{name: (cfg, seconds,
-    flops)}``."""
-    out = {}
+def parse_lrs(args) -> list[float] | None:
+    """The LRs of ``--plain-lrs`` (``None``: not given); a one-line error for a value that is not a number > 0."""
+    if args.plain_lrs is None:
+        return None
+    try:
+        lrs = [float(x) for x in str(args.plain_lrs).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--plain-lrs takes comma-separated numbers, e.g. 1e-3,3e-3,1e-2; got {args.plain_lrs!r}"
+                         ) from None
+    if not lrs or min(lrs) <= 0 or len(set(lrs)) != len(lrs):
+        raise ValueError(f"--plain-lrs needs distinct LRs > 0, got {args.plain_lrs!r}")
+    return lrs
+
+
+def lr_variants(args, arm: Arm) -> list[tuple[float, argparse.Namespace, Arm]]:
+    """``[(lr, options, arm)]`` to train for ``arm``: one at ``--lr`` in the arm's own directory, or, for the swept
+    plain arms under ``--plain-lrs``, one per LR in ``runs/{arm}-lr{lr}``."""
+    lrs = parse_lrs(args)
+    if lrs is None or arm.name not in SWEPT:
+        return [(args.lr, args, arm)]
+    return [(lr, argparse.Namespace(**(vars(args) | {"lr": lr})), dataclasses.replace(arm, name=f"{arm.name}-lr{lr:g}"))
+            for lr in lrs]
+
+
+def validation_accuracy(cfg, held: HeldOut, table, device) -> float:
+    """Per-position accuracy (standard mode) on the validation rows, the mean over tasks: what the sweep maximises."""
+    model = load_any_model(cfg.out, device=device)[0].eval()
+    return _mean([_mean(per_row(model, rows.to(device), table, "standard")[0]) for rows in held.val.values()])
+
+
+def train_all(args, arms: dict, names: list[str], corpus, held: HeldOut, table, device, say) -> tuple[dict, dict, dict]:
+    """Train (or reuse) every arm of one seed (``args``: :func:`seed_args`); returns ``({name: (cfg, seconds,
+    flops)}, {name: the corpus it trained on}, {swept arm: {"val": {lr: accuracy}, "lr": the chosen LR}})``."""
+    out, corpora, sweep = {}, {}, {}
     for name in plain_arms(names):
-        cfg, elapsed = train_arm(args, arms[name], corpus, say, StateRecipe, "state")
-        out[name] = (cfg, elapsed, run_flops(cfg))
-    fresh = lambda a, steps: training_corpus(a, corpus.tokenizer, steps, a.seed + 7)  # noqa: E731 - fresh rows
+        runs = []
+        for lr, a, arm in lr_variants(args, arms[name]):
+            cfg, elapsed = train_arm(a, arm, corpus, say, StateRecipe, "state")
+            runs.append((lr, cfg, elapsed))
+        if len(runs) > 1:  # chosen on the validation rows, never the test rows
+            val = {lr: validation_accuracy(cfg, held, table, device) for lr, cfg, _ in runs}
+            best = max(runs, key=lambda r: val[r[0]])
+            sweep[name] = {"val": {f"{lr:g}": v for lr, v in val.items()}, "lr": best[0],
+                           "train_seconds": sum(r[2] or 0.0 for r in runs)}
+            runs = [best]
+        _, cfg, elapsed = runs[0]
+        out[name], corpora[name] = (cfg, elapsed, run_flops(cfg)), corpus
+
+    def fresh(a, steps):  # the equal-FLOPs control's fresh rows (held-out rows excluded too)
+        corpora[FLOPS_ARM] = training_corpus(a, corpus.tokenizer, steps, a.seed + 7, held)
+        return corpora[FLOPS_ARM]
+
     train_controls(args, arms, names, out, corpus, fresh, say, StateRecipe, "state")
-    return out
+    if EPOCHS_ARM in out:
+        corpora[EPOCHS_ARM] = corpus
+    return out, corpora, sweep
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
-def test_sets(args, tokenizer) -> dict:
-    """``{(task, length): rows}``: fresh rows of each task at T, 2T and 4T (other seeds than training's)."""
-    sets = {}
-    for j, task in enumerate(args.tasks_list):
-        for m in MULTIPLES:
-            probs = make_state_problems([task], args.test_rows, args.seed + 1_000_003 * (1 + m) + 101 * j,
-                                        args.length * m)
-            sets[(task, args.length * m)] = encode_state_rows(tokenizer, probs)
-    return sets
-
-
 @torch.no_grad()
-def per_row(model, rows, table, mode: str, num_passes: int = 1, hook: str | None = None, batch: int = 256):
-    """``(per-position accuracy per row, last-position correctness per row, accuracy per position)``."""
+def per_row(model, rows, table, mode: str, num_passes: int = 1, intervention: str | None = None, batch: int = 256):
+    """``(per-position accuracy per row, last-position correctness per row, accuracy per position)``; with
+    ``intervention`` (exact mode), the recurrence fed the states of :func:`intervention_hook`."""
+    states = exact_states(model, rows, batch) if intervention is not None else None
     marks = []
     for i in range(0, rows.shape[0], batch):
         r = rows[i:i + batch]
-        if hook is None:
+        if intervention is None:
             logits = mode_logits(model, r, mode, num_passes)
         else:
-            def state_hook(t, prev):
-                return torch.zeros_like(prev) if hook == "zero" else prev.roll(1, dims=0)
-            logits = model.recurrent_forward(r, state_hook=state_hook).logits
+            index = torch.arange(i, i + r.shape[0])
+            logits = model.recurrent_forward(r, state_hook=intervention_hook(intervention, states, index)).logits
         marks.append(predicted_states(logits, r, table).cpu())
     m = torch.cat(marks).double()
     return m.mean(1).tolist(), m[:, -1].long().tolist(), m.mean(0).tolist()
@@ -212,7 +354,7 @@ def evaluate_arm(model, sets: dict, table, device) -> dict:
     plans = [("standard", "standard", 1, None)]
     if has_feedback(model):
         plans = [(key, mode, k, None) for key, mode, k in FBT_MODES]
-        plans += [(f"exact/{h}", "exact", None, h) for h in INTERVENTIONS]
+        plans += [(f"exact/{h}", "exact", None, h) for h in interventions_for(model)]
     res = {}
     for key, mode, k, hook in plans:
         res[key] = {}
@@ -231,135 +373,6 @@ def inference_costs(model, ref_fp: dict, sets: dict) -> dict:
             for key, mode, k in modes}
 
 
-def _ci(groups: list[list[float]], boot: int) -> dict:
-    """The mean over seeds of each seed's mean of ``groups[seed]``, with a 95% CI that resamples the rows within each
-    seed (each seed has its own test rows); one seed: the percentile bootstrap of its rows."""
-    if len(groups) == 1:
-        return bootstrap_ci(groups[0], seed=0, n_resamples=boot).as_dict()
-    return bootstrap_ci_within_seeds(groups, seed=0, n_resamples=boot) | {"confidence": 0.95}
-
-
-def _mean(values) -> float:
-    return sum(values) / len(values)
-
-
-def _paired(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
-    """Per seed, the per-row differences ``a - b`` (the same test rows in both)."""
-    return [[x - y for x, y in zip(sa, sb)] for sa, sb in zip(a, b)]
-
-
-def analyse(res: dict, boot: int = 2000) -> dict:
-    """The table rows (accuracy with CIs, mean over seeds, and the per-seed means), the paired differences to the
-    baselines (the equal-FLOPs controls: for the FBT arms) and the interventions."""
-    seeds = [res["per_seed"][str(s)] for s in res["seeds"]]
-    refs = [n for n in REFS if n in res["arms"]]
-    table, deltas, inter = [], [], []
-    for arm in res["arms"]:
-        for mode, cells in seeds[0][arm]["correct"].items():
-            for cell in cells:
-                task, length = cell.split("/")
-
-                def rows(a, m, field="pos", cell=cell):
-                    return [s[a]["correct"][m][cell][field] for s in seeds]
-
-                pos = rows(arm, mode)
-                if "/" in mode:
-                    base = rows(arm, "exact")
-                    inter.append({"arm": arm, "task": task, "length": int(length), "intervention": mode.split("/")[1],
-                                  "exact": _mean([_mean(b) for b in base]), "delta": _ci(_paired(pos, base), boot)})
-                    continue
-                last = rows(arm, mode, "last")
-                table.append({"arm": arm, "mode": mode, "task": task, "length": int(length),
-                              "pos": _ci(pos, boot), "last": _ci(last, boot),
-                              "per_seed": {"pos": [_mean(p) for p in pos], "last": [_mean(x) for x in last]},
-                              "inference_flops": res["runs"][arm]["inference_flops"][mode][length]})
-                for ref in refs:
-                    if ref != arm and (ref not in CONTROL_ARMS or arm.startswith("fbt")):
-                        deltas.append({"arm": arm, "mode": mode, "task": task, "length": int(length), "vs": ref,
-                                       "delta": _ci(_paired(pos, rows(ref, "standard")), boot)})
-    return {"table": table, "deltas": deltas, "interventions": inter}
-
-
-def fmt_ci(d, digits=2, sign=False):
-    fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
-    return f"{fmt.format(d['estimate'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
-
-
-def tables(res: dict) -> str:
-    lengths = sorted({r["length"] for r in res["table"]})
-    count = len(res["seeds"])
-    seeds = f"mean of {count} seeds, CI over the rows within each seed" if count > 1 else f"seed {res['seeds'][0]}"
-    out = []
-    for task in res["settings"]["tasks"].split(","):
-        out += [f"**{task}** (per-position accuracy [95% CI] / last-position accuracy, {seeds}; trained at T = "
-                f"{res['settings']['length']}; chance {CHANCE[task]:.3f}; inference FLOPs per token x the L-layer "
-                "model's standard pass, at each T)", "",
-                "| arm | mode | " + " | ".join(f"T={n}" for n in lengths) + " | inference FLOPs |",
-                "| --- | --- |" + " ---: |" * (len(lengths) + 1)]
-        rows = {}
-        for r in res["table"]:
-            if r["task"] == task:
-                rows.setdefault((r["arm"], r["mode"]), {})[r["length"]] = r
-        for (arm, mode), by_len in rows.items():
-            out.append(f"| {arm} | {mode} | " + " | ".join(
-                f"{fmt_ci(by_len[n]['pos'])} / {by_len[n]['last']['estimate']:.2f}" if n in by_len else ""
-                for n in lengths) + " | " + "/".join(f"{by_len[n]['inference_flops']:.3f}" for n in lengths
-                                                     if n in by_len) + " |")
-        out.append("")
-    if res["deltas"]:
-        out += ["**Paired per-row difference in per-position accuracy** (FBT exact mode and the other baselines "
-                f"minus the reference; FBT arms also vs the equal-FLOPs controls; Δ [95% CI], {seeds})", "",
-                "| arm | mode | task | vs | " + " | ".join(f"T={n}" for n in lengths) + " |",
-                "| --- | --- | --- | --- |" + " ---: |" * len(lengths)]
-        rows = {}
-        for d in res["deltas"]:
-            if d["mode"] in ("exact", "standard") and not (d["mode"] == "standard" and d["arm"].startswith("fbt")):
-                rows.setdefault((d["arm"], d["mode"], d["task"], d["vs"]), {})[d["length"]] = d["delta"]
-        for (arm, mode, task, vs), by_len in rows.items():
-            out.append(f"| {arm} | {mode} | {task} | {vs} | "
-                       + " | ".join(fmt_ci(by_len[n], sign=True) if n in by_len else "" for n in lengths) + " |")
-        out.append("")
-    if res["interventions"]:
-        out += ["**Is the fed-back state used?** Exact-mode per-position accuracy and its paired change when the "
-                f"state is zeroed or taken from another row of the same task (Δ [95% CI], {seeds})", "",
-                "| arm | task | T | exact | " + " | ".join(INTERVENTIONS) + " |",
-                "| --- | --- | ---: | ---: |" + " ---: |" * len(INTERVENTIONS)]
-        rows = {}
-        for r in res["interventions"]:
-            rows.setdefault((r["arm"], r["task"], r["length"]), {"exact": r["exact"]})[r["intervention"]] = r["delta"]
-        for (arm, task, length), v in rows.items():
-            out.append(f"| {arm} | {task} | {length} | {v['exact']:.2f} | "
-                       + " | ".join(fmt_ci(v[n], sign=True) for n in INTERVENTIONS) + " |")
-        out.append("")
-    if res.get("cost"):
-        out += [f"**Cost of a training step** (seed {res['seeds'][0]}, S3 rows, T = {res['settings']['length']}, batch "
-                f"{res['settings']['batch_size']}, fusion glu; median of the timed steps; activation memory = the "
-                "bytes autograd saved for the backward)", "",
-                "| K | grad passes | pass tol | passes run | step time (s) | activation memory (MiB) | FLOPs vs K=1 |",
-                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        out += [f"| {c['num_passes']} | {c['grad_passes']} | {c['pass_tol'] or '-'} | {c['passes_run']:.1f} | "
-                f"{c['step_seconds']:.3f} | {c['saved_mib']:.1f} | {c['flops_ratio']:.2f} |" for c in res["cost"]]
-        out.append("")
-    return "\n".join(out)
-
-
-def plot(res: dict, path: str) -> str:
-    longest = max(r["length"] for r in res["table"])
-    seeds = [res["per_seed"][str(s)] for s in res["seeds"]]
-    panels = []
-    for task in res["settings"]["tasks"].split(","):
-        lines = []
-        for i, arm in enumerate(res["arms"]):
-            for mode, style in (("standard", "-"), ("exact", ":")):
-                curves = [s[arm]["correct"].get(mode, {}).get(f"{task}/{longest}") for s in seeds]
-                if curves[0] is not None and not (mode == "standard" and arm.startswith("fbt")):
-                    mean = [_mean(v) for v in zip(*(c["by_position"] for c in curves))]  # over seeds
-                    lines.append((range(1, longest + 1), mean, style, f"C{i}", f"{arm} {mode}"))
-        panels.append({"title": f"{task}: accuracy per position (T={longest})", "chance": CHANCE[task],
-                       "lines": lines, "vline": res["settings"]["length"]})
-    return accuracy_panels(panels, path, "position")
-
-
 # ---------------------------------------------------------------------------------------------- command
 
 
@@ -367,14 +380,24 @@ def run_state(args, show: bool = True) -> dict:
     """The experiment (``args``: the command's options); ``show=False`` writes the outputs without printing the
     tables (the quickstart prints them in its own report)."""
     hf_logging.disable_progress_bar()
+    for k, v in OPTIONS.items():  # a parser without add_arguments: their defaults
+        if not hasattr(args, k):
+            setattr(args, k, v)
     apply_quick(args, DEFAULTS, QUICK)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     for name in ("steps", "batch_size", "test_rows", "layers", "length", "hidden", "heads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.test_rows < 2:
+        raise ValueError(f"--test-rows must be >= 2 (the shuffle intervention feeds each row another row's state), "
+                         f"got {args.test_rows}")
     if args.pass_tol <= 0:
         raise ValueError(f"--pass-tol must be > 0, got {args.pass_tol}")
     seeds = parse_seeds(args)
+    parse_lrs(args)
+    if position_range(args) > MAX_POSITIONS:
+        raise ValueError(f"--random-positions draws positions up to 4T + 1 = {position_range(args) - 1}, past the "
+                         f"backbone's {MAX_POSITIONS} positions: lower --length")
     args.seeds, args.seed = ",".join(map(str, seeds)), None
     args.tasks_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
     arms = make_arms(args)
@@ -384,27 +407,33 @@ def run_state(args, show: bool = True) -> dict:
     tokenizer = state_tokenizer()
     table = LabelTable(tokenizer)
     runs = {s: seed_args(args, s) for s in seeds}
-    sets = {s: test_sets(a, tokenizer) for s, a in runs.items()}  # fails fast on an unknown task
+    held = {s: held_out(a, tokenizer) for s, a in runs.items()}  # fails fast on an unknown task
+    sets = {s: h.test for s, h in held.items()}
     device = str(resolve_device(args.device))
-    corpora = {s: training_corpus(a, tokenizer, a.steps, s) for s, a in runs.items()}
+    corpora = {s: training_corpus(a, tokenizer, a.steps, s, held[s]) for s, a in runs.items()}
     for s, a in runs.items():  # before anything trains: a finished run of other options or data is refused
-        refuse_changed_runs([arm_config(a, arms[n], corpora[s]) for n in plain_arms(names)], corpora[s],
-                            args.overwrite)
+        refuse_changed_runs([arm_config(v, arm, corpora[s]) for n in plain_arms(names)
+                             for _, v, arm in lr_variants(a, arms[n])], corpora[s], args.overwrite)
     res = {"arms": names, "arm_descriptions": {n: arms[n].description for n in names}, "seeds": seeds,
-           "settings": {k: getattr(args, k) for k in DEFAULTS if k != "out"} | {
+           "settings": {k: getattr(args, k) for k in (DEFAULTS | OPTIONS) if k != "out"} | {
                "quick": bool(args.quick), "num_passes": exact_passes(args.length),
-               "lengths": [args.length * m for m in MULTIPLES]},
-           "chance": {t: CHANCE[t] for t in args.tasks_list}, "runs": {}, "per_seed": {}}
+               "lengths": [args.length * m for m in MULTIPLES], "position_range": position_range(args),
+               "validation_rows": args.test_rows},
+           "chance": {t: CHANCE[t] for t in args.tasks_list}, "runs": {}, "per_seed": {}, "lr_sweep": {}}
     ref_fp = flop_parameters(load_any_model(init_backbone(runs[seeds[0]], tokenizer, 1))[0])
     for s, a in runs.items():
-        trained = train_all(a, arms, names, corpora[s], say)
+        trained, trained_on, sweep = train_all(a, arms, names, corpora[s], held[s], table, device, say)
+        if sweep:
+            res["lr_sweep"][str(s)] = sweep
         res["per_seed"][str(s)] = {}
         for name in names:
             cfg, elapsed, flops = trained[name]
+            checked = held[s].refuse(trained_on[name].train_rows, name)  # never score a row an arm trained on
             model = load_any_model(cfg.out, device=device)[0].eval()
             t = time.perf_counter()
             say(f"state: evaluating {name} (seed {s})")
             res["per_seed"][str(s)][name] = {"train_seconds": elapsed, "steps": cfg.steps, "train_flops": flops,
+                                             "lr": cfg.lr, "rows_checked_held_out": checked,
                                              "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
                                              "unique_batches": cfg.unique_batches,
                                              "correct": evaluate_arm(model, sets[s], table, device),
@@ -430,26 +459,3 @@ def run_state(args, show: bool = True) -> dict:
     write_outputs(args.out, res, report(res, text), text, args.json, omit=("per_seed",),
                   lead=f"{len(seeds)} seed(s), ", show=show)
     return res
-
-
-def report(res: dict, text: str) -> str:
-    s = res["settings"]
-    train_s = sum(r["train_seconds"] for r in res["runs"].values())
-    lines = ["# fullband experiment state", "",
-             f"Tasks {s['tasks']}{' (mixed in one stream)' if ',' in s['tasks'] else ''}, rows of T = "
-             f"{s['length']} inputs with a label at every position; every arm {s['steps']} steps x "
-             f"{s['batch_size']} rows (equal tokens; baseline-L-flops: more steps on fresh rows, to the first FBT "
-             "arm's training FLOPs; baseline-L-epochs: as many steps re-reading baseline-L's rows), Llama "
-             f"d{s['hidden']} with {s['heads']} heads, L = {s['layers']}, seeds {s['seeds']} (each its own training "
-             f"rows, initial weights and test rows, in OUT/seed{{N}}/), peak LR {s['lr']}; FBT arms trained with "
-             f"K = {s['num_passes']} passes. Test: {s['test_rows']} fresh rows per task, length and seed "
-             f"({', '.join(map(str, s['lengths']))}). Training {train_s:.0f}s summed over the runs; this invocation "
-             f"{res['seconds']:.0f}s wall (finished runs are reused), load average {res['load_average'][0]} at the "
-             f"start and {res['load_average'][1]} at the end, {res['threads']} thread(s).", "", "Arms:", ""]
-    lines += [f"* `{n}` ({r['layers']} layers, {r['parameters']:,} parameters, {r['steps']} steps, "
-              f"{r['train_flops']:.3g} training FLOPs): {res['arm_descriptions'][n]}" for n, r in res["runs"].items()]
-    lines += ["", "Modes: `standard` no feedback; `K=2` two teacher-forced passes; `exact` the token-by-token "
-              "recurrence (T sequential one-token calls). Inference FLOPs per token are counted from what each "
-              "mode runs (`fullband.eval.flops.inference_flops`), relative to the L-layer model's standard pass on "
-              "the same rows.", "", text, "![state](state.png)", ""]
-    return "\n".join(lines)

@@ -33,6 +33,7 @@ class Arm:
 
 FLOPS_ARM, EPOCHS_ARM = "baseline-L-flops", "baseline-L-epochs"
 CONTROL_ARMS = (FLOPS_ARM, EPOCHS_ARM)  # trained after the FBT arm whose FLOPs they match
+MAX_POSITIONS = 256  # the initial backbones' position limit
 
 
 def init_backbone(args, tokenizer, depth: int) -> str:
@@ -41,7 +42,7 @@ def init_backbone(args, tokenizer, depth: int) -> str:
     path = os.path.join(args.out, "init", f"L{layers}-d{args.hidden}-h{args.heads}-s{args.seed}")
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                          num_hidden_layers=layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                         max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
