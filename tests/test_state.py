@@ -504,3 +504,32 @@ def test_state_seed_and_control_options_are_checked(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_the_linear_cost_arm_trains_the_exact_states_and_its_control_is_matched_by_hand(tmp_path):
+    """``fbt-L-glu-x2`` (``--exact-states --grad-passes 2``): every step runs the token-by-token pass and 2 gradient
+    passes (logged so), its training FLOPs are the count written here from the model's shape (the token pass: a
+    forward without the LM head and a fused token, 2 per fusion weight; then 2 fused passes with gradient), the
+    FLOP-matched plain control gets the fewest steps that reach them."""
+    out = tmp_path / "x2"
+    arms = "baseline-L,fbt-L-glu-x2,baseline-L-flops"
+    assert cli.main(["experiment", "state", "--quick", "--no-cost", "--out", str(out), "--json", "--arms", arms]) == 0
+    res = json.loads((out / "results.json").read_text())
+    s = res["settings"]
+    recs = [json.loads(line) for line in open(out / "seed0" / "runs" / "fbt-L-glu-x2" / "metrics.jsonl")]
+    train = [r for r in recs if r.get("split") == "train"]
+    assert len(train) == s["steps"] and all(r["exact_states"] and len(r["pass_losses"]) == 2 for r in train)
+    L, d, V, seq = s["layers"], s["hidden"], len(state_tokenizer()), s["length"] + 2
+    head = V * d
+    weights = L * (4 * d * d + 6 * d * d + 2 * d) + d + head
+    fusion = 2 * d * d + d
+    per_pass = 6 * weights + 6 * L * seq * d
+    token_pass = 2 * (weights - head) + 2 * L * seq * d + 2 * fusion
+    tokens = s["steps"] * s["batch_size"] * seq
+    want = tokens * (token_pass + 2 * (per_pass + 6 * fusion))
+    runs = res["runs"]
+    assert runs["fbt-L-glu-x2"]["train_flops"] == pytest.approx(want, rel=1e-9)
+    plain_step = s["batch_size"] * seq * per_pass
+    assert runs["baseline-L-flops"]["steps"] == math.ceil(want / plain_step)
+    model = load_any_model(str(out / "seed0" / "runs" / "fbt-L-glu-x2"))[0].eval()
+    assert model.config.fusion == "glu"

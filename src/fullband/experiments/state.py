@@ -103,7 +103,7 @@ from .synthetic import (
 
 LONG = dict(feedback_start=0.0, deep_fraction=0.0, prefix_mix=0.0)  # the long recurrence from the first step
 ARM_NAMES = ("baseline-L", "baseline-2L", "baseline-4L", "fbt-L", "fbt-L-glu", FLOPS_ARM, EPOCHS_ARM,
-             "fbt-L-glu-g2", "fbt-L-glu-g1", "fbt-L-glu-tol", "fbt-L-glu-cur")
+             "fbt-L-glu-g2", "fbt-L-glu-g1", "fbt-L-glu-tol", "fbt-L-glu-cur", "fbt-L-glu-x2", "fbt-L-x2")
 DEFAULT_ARMS = ARM_NAMES[:7]
 FBT_MODES = (("standard", "standard", 1), ("K=2", "passes", 2), ("exact", "exact", None))
 MULTIPLES = (1, 2, 4)
@@ -134,7 +134,13 @@ def make_arms(args) -> dict[str, Arm]:
             Arm("fbt-L-glu-tol", f"fbt-L-glu with --pass-tol {args.pass_tol} (early stop)", 1,
                 fbt | {"fusion": "glu", "pass_tol": args.pass_tol}),
             Arm("fbt-L-glu-cur", "fbt-L-glu with a curriculum in K (2 -> K over the first half)", 1,
-                fbt | {"fusion": "glu", "pass_curriculum": 0.5})]
+                fbt | {"fusion": "glu", "pass_curriculum": 0.5}),
+            # the exact recurrence at linear cost: its states token by token, then 2 gradient passes (any T)
+            Arm("fbt-L-glu-x2", "L layers, pure GLU, exact states + 2 gradient passes on every step "
+                "(--exact-states --grad-passes 2: linear in T)", 1,
+                dict(num_passes=2, exact_states=True, grad_passes=2, fusion="glu", **LONG)),
+            Arm("fbt-L-x2", "L layers, residual entry, exact states + 2 gradient passes on every step", 1,
+                dict(num_passes=2, exact_states=True, grad_passes=2, **LONG))]
     return {a.name: a for a in arms}
 
 

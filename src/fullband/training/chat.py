@@ -36,8 +36,9 @@ from importlib import resources
 import torch
 
 from ..eval.problems import format_target, make_problems
-from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask
+from ..model.feedback import build_feedback_mask, document_starts, prefix_mixing_mask, prefix_row_seeds
 from ..utils.io import iter_jsonl_objects
+from . import distributed as D
 
 ROLES = ("system", "user", "assistant")
 SYNTHETIC = ("arithmetic", "state", "permutation", "mixed")
@@ -313,3 +314,30 @@ def sft_feedback_mask(batch: dict, doc_start_id: int | None, prefix_mix: float, 
         starts[:, 1:] |= ~real[:, 1:] & real[:, :-1]  # first padding position starts a segment
         mask &= ~prefix_mixing_mask(starts, prefix_mix, row_seeds)
     return mask
+
+
+def padded_micro_batches(collate_rows, index: list, step: int, num_passes: int, cfg, doc_start_id: int | None,
+                         env: D.DistEnv) -> tuple[list[dict], int, int]:
+    """This rank's micro-batches of a step of right-padded rows (SFT conversations, labelled rows), as
+    ``(micro_batches, predicted tokens of the step, real tokens of the step)``. ``index`` is the step's global batch
+    (row indices, in order) and ``collate_rows(indices)`` collates rows into ``input_ids`` / ``attention_mask`` /
+    ``labels``. Only this rank's rows are collated; a row's feedback mask (prefix mixing on fed-back steps) depends
+    on that row and its place in the global batch alone; the step's loss is a mean over every rank's predicted
+    tokens, whose count is all-reduced (``num_items_in_batch`` of every micro-batch), not recounted from the global
+    batch on every rank."""
+    per_rank = cfg.batch_size // env.world_size
+    micro = per_rank // cfg.grad_accum
+    lo = env.rank * per_rank
+    local, counts = [], torch.zeros(2, dtype=torch.float64)
+    for i in range(lo, lo + per_rank, micro):
+        b = collate_rows(index[i:i + micro])
+        b["feedback_mask"] = (sft_feedback_mask(b, doc_start_id, cfg.prefix_mix,
+                                                prefix_row_seeds(cfg.seed, step, range(i, i + micro)))
+                              if num_passes > 1 else build_feedback_mask(b["input_ids"], b["attention_mask"],
+                                                                        doc_start_id))
+        counts += torch.tensor([predicted_tokens(b["labels"]), int(b["attention_mask"].sum())], dtype=torch.float64)
+        local.append(b)
+    num_items, step_tokens = (int(x) for x in D.all_reduce_sum(counts.to(env.device), env).tolist())
+    items = torch.tensor(float(num_items))
+    return ([{k: v.to(env.device) for k, v in {**b, "num_items_in_batch": items}.items()} for b in local],
+            num_items, step_tokens)

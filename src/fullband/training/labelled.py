@@ -32,9 +32,8 @@ from ..data.corpus import load_tokenizer
 from ..data.labelled import collate_rows, is_labelled, load_labelled
 from ..data.order import batch_rows, pool_batch_rows
 from ..eval.labelled import target_loss
-from ..model.feedback import build_feedback_mask, prefix_row_seeds
 from . import distributed as D
-from .chat import predicted_tokens, sft_feedback_mask
+from .chat import padded_micro_batches
 from .config import TrainConfig
 from .engine import StepBatch, run
 from .pretrain import PretrainRecipe, fusion_was_trained, run_inputs
@@ -90,27 +89,14 @@ class LabelledRecipe(PretrainRecipe):
 
     def batch(self, step, num_passes, generator, env):
         cfg = self.cfg
-        per_rank = cfg.batch_size // env.world_size
-        micro = per_rank // cfg.grad_accum
         n = len(self.train_rows)
         if cfg.unique_batches:
             index = pool_batch_rows(step, cfg.batch_size, n, cfg.seed, self.order, cfg.unique_batches, cfg.data_offset)
         else:
             index = batch_rows(step + cfg.data_offset, cfg.batch_size, n, cfg.seed, self.order)
-        index = index.tolist()
-        lo = env.rank * per_rank
-        local, counts = [], torch.zeros(2, dtype=torch.float64)
-        for i in range(lo, lo + per_rank, micro):  # this rank's rows only; a row's mask depends on it and its place
-            b = collate_rows(self.train_rows, index[i:i + micro], self.pad_id)
-            b["feedback_mask"] = (sft_feedback_mask(b, self.doc_id, cfg.prefix_mix,
-                                                    prefix_row_seeds(cfg.seed, step, range(i, i + micro)))
-                                  if num_passes > 1 else build_feedback_mask(b["input_ids"], b["attention_mask"],
-                                                                            self.doc_id))
-            counts += torch.tensor([predicted_tokens(b["labels"]), int(b["attention_mask"].sum())], dtype=torch.float64)
-            local.append(b)
-        num_items, step_tokens = (int(x) for x in D.all_reduce_sum(counts.to(env.device), env).tolist())
-        items = torch.tensor(float(num_items))
-        micro_batches = [{k: v.to(env.device) for k, v in {**b, "num_items_in_batch": items}.items()} for b in local]
+        micro_batches, num_items, step_tokens = padded_micro_batches(
+            lambda rows: collate_rows(self.train_rows, rows, self.pad_id), index.tolist(), step, num_passes, cfg,
+            self.doc_id, env)
         # each micro-batch's loss is its share of the step's mean over the targets; DDP averages the ranks'
         # gradients, which the world size undoes
         return StepBatch(micro_batches, loss_weight=float(env.world_size), tokens=step_tokens,

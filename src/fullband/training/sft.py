@@ -36,7 +36,6 @@ from ..eval.problems import ANSWER_MARKER
 from ..eval.reasoning import extract_answer, grade
 from ..eval.scoring import MODES as EVAL_MODES
 from ..eval.scoring import mode_logits
-from ..model.feedback import build_feedback_mask, prefix_row_seeds
 from ..model.generation import MODES as DECODE_MODES
 from ..model.generation import generate
 from ..model.modeling import FullBandwidthForCausalLM, load_model, max_positions
@@ -49,10 +48,9 @@ from .chat import (
     collate,
     encode_conversations,
     load_conversations,
-    predicted_tokens,
+    padded_micro_batches,
     render_ids,
     set_chat_template,
-    sft_feedback_mask,
     split_conversations,
 )
 from .checkpoint import find_checkpoint, load_model_state, load_trainer_state
@@ -345,24 +343,9 @@ class SFTRecipe(Recipe):
 
     def batch(self, step, num_passes, generator, env):
         cfg, enc = self.cfg, self.train_enc
-        per_rank = cfg.batch_size // env.world_size
-        micro = per_rank // cfg.grad_accum
         idx = batch_rows(step, cfg.batch_size, len(enc), cfg.seed).tolist()
-        lo = env.rank * per_rank
-        local, counts = [], torch.zeros(2, dtype=torch.float64)
-        for i in range(lo, lo + per_rank, micro):  # this rank's rows only; a row's mask depends on it and its place
-            b = collate(enc, idx[i:i + micro], self.pad_id)
-            b["feedback_mask"] = (sft_feedback_mask(b, self.doc_id, cfg.prefix_mix,
-                                                    prefix_row_seeds(cfg.seed, step, range(i, i + micro)))
-                                  if num_passes > 1 else build_feedback_mask(b["input_ids"], b["attention_mask"],
-                                                                            self.doc_id))
-            counts += torch.tensor([predicted_tokens(b["labels"]), int(b["attention_mask"].sum())], dtype=torch.float64)
-            local.append(b)
-        # the step's loss is a mean over every rank's predicted tokens: their count is all-reduced, not recounted
-        # from the global batch on every rank
-        num_items, step_tokens = (int(x) for x in D.all_reduce_sum(counts.to(env.device), env).tolist())
-        items = torch.tensor(float(num_items))
-        micro_batches = [{k: v.to(env.device) for k, v in {**b, "num_items_in_batch": items}.items()} for b in local]
+        micro_batches, num_items, step_tokens = padded_micro_batches(
+            lambda rows: collate(enc, rows, self.pad_id), idx, step, num_passes, cfg, self.doc_id, env)
         # each micro-batch's loss is already its share of the step's mean; DDP averages the ranks' gradients,
         # which the world size undoes
         return StepBatch(micro_batches, loss_weight=float(env.world_size), tokens=step_tokens,
