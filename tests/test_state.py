@@ -496,10 +496,12 @@ def test_state_seeds_reuse_a_moved_seed_and_aggregate_per_seed(tmp_path, capsys)
 
 def test_state_seed_and_control_options_are_checked(tmp_path, capsys):
     """One-line errors, exit 2, nothing written: both --seeds and --seed, a repeated, non-integer or negative seed,
-    an equal-FLOPs control without an FBT arm to match."""
+    an equal-FLOPs control without an FBT arm to match, a --length whose 4T test rows exceed the backbone's positions
+    (refused before anything trains: it once failed at scoring after 53 minutes of training)."""
     for bad, says in ((["--seeds", "0", "--seed", "1"], "--seed"), (["--seeds", "0,0"], "--seeds"),
                       (["--seeds", "a"], "--seeds"), (["--seeds", "-1"], "--seeds"),
-                      (["--arms", "baseline-L,baseline-L-epochs"], "needs an FBT arm")):
+                      (["--arms", "baseline-L,baseline-L-epochs"], "needs an FBT arm"),
+                      (["--length", "64"], "4T test rows are 258 tokens")):
         assert cli.main(["experiment", "state", "--quick", "--out", str(tmp_path / "x"), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0]

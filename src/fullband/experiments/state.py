@@ -404,6 +404,10 @@ def run_state(args, show: bool = True) -> dict:
     if position_range(args) > MAX_POSITIONS:
         raise ValueError(f"--random-positions draws positions up to 4T + 1 = {position_range(args) - 1}, past the "
                          f"backbone's {MAX_POSITIONS} positions: lower --length")
+    longest = MULTIPLES[-1] * args.length + 2  # the 4T test rows, BOS and EOS: refused before anything is trained
+    if longest > MAX_POSITIONS:
+        raise ValueError(f"--length {args.length}: the 4T test rows are {longest} tokens, past the backbone's "
+                         f"{MAX_POSITIONS} positions; use --length {(MAX_POSITIONS - 2) // MULTIPLES[-1]} or less")
     args.seeds, args.seed = ",".join(map(str, seeds)), None
     args.tasks_list = [t.strip() for t in args.tasks.split(",") if t.strip()]
     arms = make_arms(args)
