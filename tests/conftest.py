@@ -145,3 +145,16 @@ def micro_rtol(tokens: int) -> float:
     """:func:`reorder_rtol` of the ``micro`` preset's reductions (d_model 64, MLP 128, the tests' 300-entry BPE
     vocabulary) on a loss averaged over ``tokens`` tokens."""
     return reorder_rtol(tokens, 64, 128, 300)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token rows as a dataset for HF ``Trainer`` (each row its own labels)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return self.ids.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

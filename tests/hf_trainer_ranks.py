@@ -13,7 +13,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conftest import random_ids, tiny_model  # noqa: E402
+from conftest import Rows, random_ids, tiny_model  # noqa: E402
 
 from fullband.training.hf_trainer import FullBandwidthTrainer, PassSchedule  # noqa: E402
 
@@ -34,17 +34,6 @@ def initial_model():
     with torch.no_grad():  # a trained-looking fusion: the residual entry's output gain away from 0
         model.feedback.out_norm.weight.fill_(0.5)
     return model
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, ids):
-        self.ids = ids
-
-    def __len__(self):
-        return self.ids.shape[0]
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class KeepGrads(TrainerCallback):

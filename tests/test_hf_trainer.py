@@ -16,18 +16,7 @@ from fullband.training.engine import forward_backward
 from fullband.training.hf_trainer import FullBandwidthTrainer, PassSchedule, sft_trainer_class
 from fullband.training.optimizer import build_optimizer, set_learning_rates
 
-from conftest import TEXTS, random_ids, tiny_backbone_config, tiny_model
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, ids):
-        self.ids = ids
-
-    def __len__(self):
-        return self.ids.shape[0]
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+from conftest import TEXTS, Rows, random_ids, tiny_backbone_config, tiny_model
 
 
 def trainer_args(tmp_path, steps, **kw):

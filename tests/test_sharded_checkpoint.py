@@ -110,6 +110,15 @@ def _full_state(model, optimizer) -> tuple[dict, dict]:
     return model_full, optim_full
 
 
+def _write_full_state(model, optimizer, rank: int, model_path: str, optim_path: str) -> None:
+    """:func:`_full_state` (collectives: every rank), written by rank 0 to ``{path}.safetensors``; then a barrier."""
+    model_full, optim_full = _full_state(model, optimizer)
+    if rank == 0:
+        save_file(model_full, f"{model_path}.safetensors")
+        save_file(optim_full, f"{optim_path}.safetensors")
+    dist.barrier()
+
+
 def _worker(rank: int, root: str) -> None:
     env = _join(rank, root)
     try:
@@ -141,11 +150,7 @@ def _worker(rank: int, root: str) -> None:
             assert set(t) == set(s) and all(torch.equal(local(s[k]), local(t[k])) for k in s), names[p]
         assert [g["betas"] for g in fresh_opt.param_groups] == [(0.8, 0.9)] * 2
         # the reference for the parent process: the full tensors, gathered here only to be compared with
-        model_ref, optim_ref = _full_state(model, optimizer)
-        if rank == 0:
-            save_file(model_ref, f"{root}/model_ref.safetensors")
-            save_file(optim_ref, f"{root}/optim_ref.safetensors")
-        dist.barrier()
+        _write_full_state(model, optimizer, rank, f"{root}/model_ref", f"{root}/optim_ref")
     finally:
         dist.destroy_process_group()
 
@@ -281,11 +286,7 @@ def _reshard_worker(rank: int, root: str, world: int, run: str, tag: str, gather
                 setattr(owner, name, old)
         with open(f"{root}/{tag}-rows{rank}.json", "w") as f:
             json.dump(local(fresh.get_input_embeddings().weight).shape[0], f)
-        model_full, optim_full = _full_state(fresh, fresh_opt)
-        if rank == 0:
-            save_file(model_full, f"{root}/{tag}-model.safetensors")
-            save_file(optim_full, f"{root}/{tag}-optim.safetensors")
-        dist.barrier()
+        _write_full_state(fresh, fresh_opt, rank, f"{root}/{tag}-model", f"{root}/{tag}-optim")
     finally:
         dist.destroy_process_group()
 
