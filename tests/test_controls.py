@@ -226,3 +226,7 @@ def test_flops_matched_steps_charges_passes_without_gradient_at_their_forward():
     assert flops_matched_steps(full) == 5 + 5 * 8
     k2 = TrainConfig(steps=10, feedback_start=0.5, num_passes=2, grad_passes=2, deep_fraction=0.0)
     assert flops_matched_steps(k2) == 15
+    # --exact-states --grad-passes 2: each fed-back step is the token pass (a forward, 1/3) + 2 gradient passes:
+    # 5 + 5 x 7/3 = 16.67 -> 17 (counted as plain K = 2 steps it was 15: a control short of the FBT run's FLOPs)
+    exact = TrainConfig(steps=10, feedback_start=0.5, num_passes=2, grad_passes=2, deep_fraction=0.0, exact_states=True)
+    assert flops_matched_steps(exact) == 17
