@@ -3,8 +3,9 @@
 (which one is reused and which refused without ``--overwrite`` is
 :func:`fullband.training.pretrain.run_differences`'s), the controls of an FBT run (``baseline-flops``: the plain
 model for the FBT run's training FLOPs, reading further; ``baseline-epochs``: the plain model for those FLOPs on
-exactly the FBT run's unique rows, re-read epoch after epoch), and reading a baseline curve (where it reaches a
-loss, its loss at a budget, both with bootstrap CIs over the held-out rows)."""
+exactly the FBT run's unique rows, re-read epoch after epoch), reading a baseline curve (where it reaches a
+loss, its loss at a budget, both with bootstrap CIs over the held-out rows), and writing an experiment's
+``results.json`` and ``report.md`` with their provenance (:func:`write_results`, the one writer of both)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig, make_config, same_path
 from ..training.pretrain import finished, read_summary, refuse_changed_runs, train
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
+from ..utils.provenance import provenance, provenance_line
 
 # recipe knobs shared by both experiments: (flag, TrainConfig field, type)
 RECIPE = (("--feedback-start", "feedback_start", float), ("--num-passes", "num_passes", int),
@@ -355,12 +357,23 @@ def save_png(fig, path: str, dpi: int = 110) -> str:
     return path
 
 
+def write_results(out: str, res: dict, markdown: str | None = None) -> None:
+    """The one writer of an experiment's ``results.json`` (atomically), with ``res["provenance"]`` set to what
+    produced it (:func:`fullband.utils.provenance.provenance`), and of its ``report.md`` (``markdown``, when given)
+    ending in that provenance's line. A re-run reproduces everything but the keys of
+    :data:`fullband.utils.provenance.UNREPRODUCIBLE_KEYS`."""
+    res["provenance"] = provenance()
+    atomic_write_json(os.path.join(out, "results.json"), res)
+    if markdown is not None:
+        atomic_write_text(os.path.join(out, "report.md"),
+                          markdown.rstrip("\n") + "\n\n" + provenance_line(res["provenance"]) + "\n")
+
+
 def write_outputs(out: str, res: dict, markdown: str, table: str, as_json: bool, omit=(), lead: str = "",
                   show: bool = True) -> None:
-    """``results.json`` and ``report.md`` into ``out`` (atomically), then (``show``) the results as JSON (without
-    the bulky keys in ``omit``) or the table and where the report is."""
-    atomic_write_json(os.path.join(out, "results.json"), res)
-    atomic_write_text(os.path.join(out, "report.md"), markdown)
+    """``results.json`` and ``report.md`` into ``out`` (:func:`write_results`), then (``show``) the results as JSON
+    (without the bulky keys in ``omit``) or the table and where the report is."""
+    write_results(out, res, markdown)
     if not show:
         return
     if as_json:

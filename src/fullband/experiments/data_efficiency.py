@@ -34,7 +34,6 @@ import dataclasses
 import io
 import os
 import platform
-import sys
 import time
 
 import torch
@@ -44,7 +43,7 @@ from ..eval.flops import flop_parameters, inference_flops, training_flops
 from ..eval.scoring import row_losses
 from ..model.modeling import load_model
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows
-from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from ..utils.io import atomic_write_bytes, read_jsonl
 from ..utils.stats import bootstrap_ci
 from .common import (
     base_config,
@@ -62,6 +61,7 @@ from .common import (
     train_or_reuse,
     train_pair,
     unique_tokens,
+    write_results,
 )
 
 DE_DEFAULTS = dict(out=os.path.join("runs", "experiments", "data-efficiency"), preset="tiny", steps=100,
@@ -236,7 +236,6 @@ def run_data_efficiency(args) -> dict:
         "seconds": {"data": t_data, "train": t_train, "train_baseline_epochs": t_epochs, "eval": t_eval,
                     "total": wall},
         "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
-        "argv": sys.argv[1:],
     }
     plot_path = os.path.join(args.out, "loss_vs_tokens_flops.png")
     try:
@@ -244,9 +243,8 @@ def run_data_efficiency(args) -> dict:
         results["plot"] = os.path.basename(plot_path)
     except Exception as err:  # noqa: BLE001 - a plot is not worth failing a finished experiment
         say(f"warning: could not draw {plot_path}: {err}")
-    atomic_write_json(os.path.join(args.out, "results.json"), results)
     tables = data_efficiency_tables(results)
-    atomic_write_text(os.path.join(args.out, "report.md"), data_efficiency_report(results, tables))
+    write_results(args.out, results, data_efficiency_report(results, tables))
     print(tables)
     print(f"\n{wall:.0f}s in all (training {t_train:.0f}s, evaluation {t_eval:.0f}s). "
           f"Report: {os.path.join(args.out, 'report.md')}")

@@ -56,10 +56,9 @@ from ..model.generation import MODES, generate
 from ..training.config import TrainConfig
 from ..training.device import load_average
 from ..training.pretrain import build_tokenizer_and_corpus, refuse_changed_runs, spread_rows
-from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.plotting import plot_loss_curves
 from ..utils.stats import bootstrap_ci
-from .common import epochs_config, flops_config, train_or_reuse, train_pair, unique_tokens
+from .common import epochs_config, flops_config, train_or_reuse, train_pair, unique_tokens, write_results
 from .quickstart_state import run_state_part
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=300, batch_size=16, seq_len=128,
@@ -333,9 +332,8 @@ def run_quickstart(args) -> dict:
         "torch": torch.__version__, "platform": platform.platform(),
         "samples": samples, "sampling": how, "fbt_default_mode": fbt.config.default_feedback_mode,
     }
-    atomic_write_json(os.path.join(args.out, "results.json"), results)
     table = _table(table_rows) + "\n\n" + _table(decode_rows) + "\n\n" + _targets_text(results["targets"])
-    atomic_write_text(os.path.join(args.out, "report.md"), _report(results, table, args))
+    write_results(args.out, results, _report(results, table, args))
     print(table)
     if running_state:
         print("\n" + running_state["table"])

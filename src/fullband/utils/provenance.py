@@ -1,0 +1,113 @@
+"""Where a result came from, and which of its fields a re-run cannot reproduce.
+
+Owns :func:`provenance` (the command line as run, the git commit of the checkout the package lives in and whether
+its tracked files were modified, the package and torch versions, the thread count, the date; recorded in every
+experiment's ``results.json`` under ``provenance``), :func:`provenance_line` (its one line in a report) and
+:data:`UNREPRODUCIBLE_KEYS`: the names of the ``results.json`` keys, at any depth, that hold timings, load, dates,
+the platform or provenance. Everything else in a ``results.json`` is a function of the command, its seeds, the code
+and the thread count, and a re-run on the same machine reproduces it bit for bit (``tests/test_reproduce.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+
+import torch
+
+# keys whose values differ between two runs of one command (wall clock, load, date, machine): skipped wherever they
+# occur when two results are compared; an experiment keeps every such value under one of these names
+UNREPRODUCIBLE_KEYS = frozenset({"provenance", "seconds", "train_seconds", "decode_seconds", "eval_seconds",
+                                 "step_seconds", "load_average", "platform", "cpu_count"})
+
+
+def _git(args: list[str], cwd: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def source_checkout(path: str | None = None) -> dict:
+    """``{"git_commit", "git_dirty"}`` of the git checkout holding ``path`` (default: this package's source);
+    both ``None`` when it is not in a git checkout (an installed wheel) or git is missing. ``git_dirty``: whether a
+    tracked file differs from that commit (untracked files are not counted)."""
+    where = os.path.abspath(path or os.path.dirname(os.path.dirname(__file__)))  # src/fullband
+    head = _git(["rev-parse", "HEAD"], where)
+    if path is None and _git(["ls-files", "--error-unmatch", "__init__.py"], where) is None:
+        head = None  # installed inside some other repository (a venv in a project): not this package's checkout
+    if head is None:
+        return {"git_commit": None, "git_dirty": None}
+    status = _git(["status", "--porcelain", "--untracked-files=no"], where)
+    return {"git_commit": head.strip(), "git_dirty": None if status is None else bool(status.strip())}
+
+
+def package_version() -> str | None:
+    """The installed distribution's version (``None`` when the package runs without being installed)."""
+    try:
+        return metadata.version("fullband")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """What produced a result: the command line (``argv``, default ``sys.argv`` as run), the package source's git
+    commit and dirtiness (:func:`source_checkout`), package / torch / Python versions, torch's CPU threads, the
+    platform and the UTC date."""
+    return {"command": list(sys.argv if argv is None else argv), **source_checkout(),
+            "package_version": package_version(), "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "platform": platform.platform(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def provenance_line(p: dict) -> str:
+    """One report line: ``Produced by `fullband ...` at commit abc1234 (modified), fullband 0.1.0, torch 2.x, N
+    thread(s), DATE.``"""
+    argv = [str(a) for a in p.get("command") or []]
+    shown = shlex.join([os.path.basename(argv[0]), *argv[1:]]) if argv else "?"
+    commit = p.get("git_commit")
+    where = (f"commit {commit[:12]}" + (" with uncommitted changes" if p.get("git_dirty") else "")) if commit \
+        else "no git checkout"
+    return (f"Produced by `{shown}` at {where}, fullband {p.get('package_version')}, torch {p.get('torch')}, "
+            f"{p.get('threads')} thread(s), {p.get('date')}.")
+
+
+def without_unreproducible(obj):
+    """``obj`` (JSON values) with every :data:`UNREPRODUCIBLE_KEYS` entry removed at any depth."""
+    if isinstance(obj, dict):
+        return {k: without_unreproducible(v) for k, v in obj.items() if k not in UNREPRODUCIBLE_KEYS}
+    if isinstance(obj, list):
+        return [without_unreproducible(v) for v in obj]
+    return obj
+
+
+def first_difference(a, b, path: str = "") -> str | None:
+    """The path of the first place two JSON values differ (keys of :data:`UNREPRODUCIBLE_KEYS` skipped), with both
+    values; ``None`` when they are equal (NaN equals NaN; numbers compared exactly)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k in UNREPRODUCIBLE_KEYS:
+                continue
+            if k not in a or k not in b:
+                return f"{path}/{k}: only in the {'second' if k not in a else 'first'}"
+            got = first_difference(a[k], b[k], f"{path}/{k}")
+            if got:
+                return got
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b)):
+            got = first_difference(x, y, f"{path}[{i}]")
+            if got:
+                return got
+        return None
+    if type(a) is not type(b) or (a != b and not (isinstance(a, float) and a != a and b != b)):
+        return f"{path or '/'}: {a!r} vs {b!r}"
+    return None
