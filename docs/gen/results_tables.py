@@ -1,0 +1,404 @@
+"""Renders the result tables of the docs site from committed results files, and imports a run's results.
+
+For each ``docs/results/<name>/`` holding ``results.json`` + ``meta.json`` it writes
+``docs/results/generated/<name>.md``: a provenance line (command, commit, seeds, load, threads, date), a STALE
+admonition when a source path listed in ``meta.json`` changed since the commit that produced the run, and the tables,
+rendered by the experiment's own report code (:data:`RENDERERS`; nothing here formats a table). It also rewrites
+the README's quickstart block between ``<!-- quickstart-table:start -->`` and ``<!-- quickstart-table:end -->``
+from ``docs/results/quickstart/`` (a README without the markers is left alone).
+
+    python docs/gen/results_tables.py                 # (re)write every generated file and the README block
+    python docs/gen/results_tables.py --check         # exit 1 when any of them is out of date
+    python docs/gen/results_tables.py --import /tmp/state-fix --name state \\
+        --command "fullband experiment state --seeds 0 --out /tmp/state-fix" --commit 6745986 [--commit-note ...]
+        (--command / --commit default to the results' own ``provenance`` where it records one)
+
+STALE: ``git diff --name-only <meta.commit> -- <meta.sources>`` against the working tree (so a commit that changes
+a source and regenerates the tables in one go gets the banner it will have once committed; in a clean clone the
+working tree is HEAD), plus any source the commit did not have; the banner names no files (so it does not change
+with every later commit), ``--stale NAME`` lists them. ``--import`` copies results.json trimmed of its
+per-row / per-example lists (:data:`TRIM`, what no table reads), the run's PNGs, and writes meta.json, with
+the producing modules as ``sources`` (:func:`default_sources`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from fullband.experiments import quickstart, quickstart_state, state_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "docs", "results")
+GENERATED = os.path.join(RESULTS, "generated")
+README = os.path.join(ROOT, "README.md")
+START, END = "<!-- quickstart-table:start -->", "<!-- quickstart-table:end -->"
+MAX_BYTES = 200_000  # a committed results.json larger than this is refused
+
+
+class Refused(Exception):
+    """A one-line error a user can fix (exit 2, nothing written)."""
+
+
+# ---- renderers: the experiment's own table code, called on the (trimmed) results dict
+
+
+def _render_state(res: dict) -> str:
+    return state_report.tables(res)
+
+
+def _render_quickstart_state(res: dict) -> str:
+    return ("**The quickstart's table** (`fullband.experiments.quickstart_state.compact_table`)\n\n"
+            + quickstart_state.compact_table(res) + "\n\n**The full state report's tables**\n\n"
+            + state_report.tables(res))
+
+
+def _render_quickstart(res: dict) -> str:
+    """The held-out loss tables and the targets (the running-state part: its own run, ``quickstart-state``)."""
+    return "\n\n".join([quickstart._table(res["table"]), quickstart._table(res["decode_table"]),
+                        quickstart._targets_text(res["targets"])])
+
+
+# renderer -> (function, the module whose import closure produced the numbers, results keys no table reads)
+RENDERERS = {
+    "state": (_render_state, "fullband.experiments.state", ("per_seed",)),
+    "quickstart-state": (_render_quickstart_state, "fullband.experiments.quickstart_state", ("per_seed",)),
+    "quickstart": (_render_quickstart, "fullband.experiments.quickstart", ("samples", "running_state.rows",
+                                                                          "running_state.interventions")),
+}
+TRIM = {name: spec[2] for name, spec in RENDERERS.items()}
+
+# modules of the import closure that cannot change a single-process run's numbers: checkpoint files, torchrun /
+# FSDP plumbing, metrics logging, prepared-data shards, the device picker; utils/ except the statistics
+PLUMBING = {"training/checkpoint.py", "training/distributed.py", "training/sharded.py", "training/metrics.py",
+            "training/device.py", "model/sharding.py", "data/shards.py", "training/__init__.py",
+            "experiments/__init__.py"}
+SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "utils/stats.py")
+
+
+# ---- git
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
+
+
+def resolve_commit(commit: str) -> str:
+    r = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+    if r.returncode != 0:
+        raise Refused(f"--commit {commit}: not a commit of this repository")
+    return r.stdout.strip()
+
+
+def changed_sources(meta: dict) -> list[str]:
+    """The paths of ``meta['sources']`` that differ between ``meta['commit']`` and the working tree."""
+    r = _git("diff", "--name-only", meta["commit"], "--", *meta["sources"])
+    if r.returncode != 0:
+        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        raise Refused(f"git diff {meta['commit'][:12]} failed ({why}): the staleness check needs the full history "
+                      "(not a shallow clone)")
+    changed = {p for p in r.stdout.splitlines() if p}
+    # a source the commit did not have but the tree has (git diff leaves out untracked files): changed too, so the
+    # answer is the same before and after that file is committed
+    at_commit = _git("ls-tree", "-r", "--name-only", meta["commit"], "--", *meta["sources"])
+    had = set(at_commit.stdout.splitlines())
+    changed |= {p for p in meta["sources"] if p not in had and os.path.exists(os.path.join(ROOT, p))}
+    return sorted(changed)
+
+
+# ---- sources: the producing modules
+
+
+def _module_path(module: str) -> str | None:
+    base = os.path.join(ROOT, "src", *module.split("."))
+    for p in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def default_sources(module: str) -> list[str]:
+    """The fullband modules ``module`` imports, transitively (read with :mod:`ast`, nothing imported), that compute
+    numbers: under experiments/, eval/, model/, training/, data/ and utils/stats.py, less :data:`PLUMBING`."""
+    seen, todo = set(), [module]
+    while todo:
+        mod = todo.pop()
+        path = _module_path(mod)
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        package = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    target = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] == "fullband":
+                    todo += [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.split(".")[0] == "fullband"]
+    src = os.path.join(ROOT, "src", "fullband")
+    rel = sorted(os.path.relpath(p, src).replace(os.sep, "/") for p in seen)
+    return [f"src/fullband/{p}" for p in rel if p.startswith(SOURCE_DIRS) and p not in PLUMBING]
+
+
+# ---- rendering
+
+
+def _fmt_load(load) -> str:
+    if isinstance(load, (list, tuple)) and len(load) == 2:
+        return f"{load[0]} at the start, {load[1]} at the end"
+    return str(load)
+
+
+def provenance(meta: dict, note: bool = True) -> str:
+    seeds = ", ".join(map(str, meta.get("seeds") or [])) or "-"
+    secs = f"; {meta['seconds']:.0f}s wall" if isinstance(meta.get("seconds"), (int, float)) else ""
+    return (f"Produced by `{meta['command']}` at commit `{meta['commit'][:12]}`; seeds {seeds}; 1-minute load "
+            f"average {_fmt_load(meta.get('load_average'))}; {meta.get('threads', '?')} thread(s){secs}; "
+            f"{meta['date']}." + (f" Commit: {meta['commit_note']}." if note and meta.get("commit_note") else ""))
+
+
+def load_run(name: str) -> tuple[dict, dict]:
+    d = os.path.join(RESULTS, name)
+    with open(os.path.join(d, "results.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    with open(os.path.join(d, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("renderer") not in RENDERERS:
+        raise Refused(f"docs/results/{name}/meta.json: renderer {meta.get('renderer')!r} is not one of "
+                      f"{', '.join(RENDERERS)}")
+    return res, meta
+
+
+def render_page(name: str, res: dict, meta: dict) -> str:
+    """The generated Markdown of one run: provenance, a STALE admonition where its sources changed, the tables."""
+    lines = [f"<!-- GENERATED by docs/gen/results_tables.py from docs/results/{name}/; do not edit by hand. -->", "",
+             provenance(meta), ""]
+    if changed_sources(meta):
+        lines += [f'!!! warning "STALE: the code that produced these tables changed since commit '
+                  f'{meta["commit"][:12]}"', "",
+                  f"    `python docs/gen/results_tables.py --stale {name}` lists the changed files (of the run's "
+                  f"`sources` in `docs/results/{name}/meta.json`). Re-run the command above and import its output "
+                  f"(`python docs/gen/results_tables.py --import OUT --name {name} ...`).", ""]
+    lines.append(RENDERERS[meta["renderer"]][0](res).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def readme_block(res: dict, meta: dict) -> str:
+    """What lies between the README's quickstart markers: provenance, STALE note, the held-out loss table
+    (``quickstart._table``) and the running-state table the quickstart prints."""
+    lines = ["<!-- GENERATED by docs/gen/results_tables.py from docs/results/quickstart/; do not edit by hand. -->",
+             "", provenance(meta, note=False) + " (more in docs/results/quickstart/meta.json)", ""]
+    if changed_sources(meta):
+        lines += [f"> **STALE**: the code that produced this table changed since commit {meta['commit'][:12]} "
+                  "(`python docs/gen/results_tables.py --stale quickstart` lists the files).", ""]
+    lines.append(quickstart._table(res["table"]))
+    if res.get("running_state"):
+        lines += ["", res["running_state"]["table"]]
+    return "\n".join(lines)
+
+
+def runs() -> list[str]:
+    if not os.path.isdir(RESULTS):
+        return []
+    return sorted(n for n in os.listdir(RESULTS) if n != "generated"
+                  and os.path.isfile(os.path.join(RESULTS, n, "results.json"))
+                  and os.path.isfile(os.path.join(RESULTS, n, "meta.json")))
+
+
+def expected() -> dict[str, str | None]:
+    """Every file this script owns -> its content (``None``: should not exist)."""
+    out: dict[str, str | None] = {}
+    names = runs()
+    for name in names:
+        res, meta = load_run(name)
+        out[os.path.join(GENERATED, f"{name}.md")] = render_page(name, res, meta)
+    if os.path.isdir(GENERATED):  # a page whose run was removed
+        for f in os.listdir(GENERATED):
+            path = os.path.join(GENERATED, f)
+            if f.endswith(".md") and path not in out:
+                out[path] = None
+    if os.path.exists(README) and "quickstart" in names:
+        text = open(README, encoding="utf-8").read()
+        if START in text and END in text and text.index(START) < text.index(END):
+            res, meta = load_run("quickstart")
+            head, rest = text.split(START, 1)
+            _, tail = rest.split(END, 1)
+            out[README] = f"{head}{START}\n{readme_block(res, meta)}\n{END}{tail}"
+    return out
+
+
+def _write_atomic(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".gen-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def out_of_date() -> list[str]:
+    stale = []
+    for path, text in expected().items():
+        current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+        if current != text:
+            stale.append(os.path.relpath(path, ROOT))
+    return stale
+
+
+def write_all() -> list[str]:
+    written = []
+    for path, text in expected().items():
+        current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+        if current == text:
+            continue
+        if text is None:
+            os.remove(path)
+        else:
+            _write_atomic(path, text)
+        written.append(os.path.relpath(path, ROOT))
+    return written
+
+
+# ---- import
+
+
+def trim(res: dict, keys) -> dict:
+    """``res`` less ``keys`` (``a.b``: key ``b`` of ``res['a']``)."""
+    out = json.loads(json.dumps(res))
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        node = out.get(parent) if parent else out
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def _renderer_for(name: str, res: dict, given: str | None) -> str:
+    if given:
+        return given
+    if name in RENDERERS:
+        return name
+    if "baseline_val_loss" in res:
+        return "quickstart"
+    if "per_seed" in res and "interventions" in res:
+        return "state"
+    raise Refused(f"cannot tell which renderer reads this results.json: pass --renderer ({', '.join(RENDERERS)})")
+
+
+def import_run(src: str, name: str, command: str, commit: str, commit_note: str | None, renderer: str | None) -> str:
+    path = os.path.join(src, "results.json")
+    if not os.path.isfile(path):
+        raise Refused(f"--import {src}: no results.json there")
+    if not name or "/" in name or name in ("generated", ".", ".."):
+        raise Refused(f"--name {name!r}: a plain directory name is needed (not 'generated')")
+    with open(path, encoding="utf-8") as f:
+        res = json.load(f)
+    prov = res.get("provenance") if isinstance(res.get("provenance"), dict) else {}
+    if prov:  # a results.json that records where it came from (fullband.utils.provenance): the defaults
+        argv = prov.get("command")
+        command = command or (shlex.join(map(str, argv)) if isinstance(argv, list) else argv)
+        commit = commit or prov.get("git_commit")
+        if commit_note is None and prov.get("git_dirty") is not None:
+            commit_note = ("from results.json's provenance; the checkout's tracked files were "
+                           + ("modified" if prov["git_dirty"] else "unmodified"))
+    if not command or not commit:
+        raise Refused("--import needs --command and --commit (this results.json records no provenance)")
+    renderer = _renderer_for(name, res, renderer)
+    if renderer not in RENDERERS:
+        raise Refused(f"--renderer {renderer}: one of {', '.join(RENDERERS)}")
+    trimmed = trim(res, TRIM[renderer])
+    text = json.dumps(trimmed, separators=(",", ":"), sort_keys=False) + "\n"
+    if len(text.encode()) > MAX_BYTES:
+        raise Refused(f"the trimmed results.json is {len(text.encode()) // 1000} KB (> {MAX_BYTES // 1000} KB): add "
+                      f"the keys no table reads to TRIM[{renderer!r}]")
+    RENDERERS[renderer][0](trimmed)  # the tables render from the trimmed file, before anything is written
+    seconds = res.get("seconds")
+    if isinstance(seconds, dict):
+        seconds = seconds.get("total")
+    mtime = datetime.datetime.fromtimestamp(os.path.getmtime(path), tz=datetime.timezone.utc)
+    date, date_source = mtime.strftime("%Y-%m-%d %H:%M UTC"), "mtime of the run's results.json"
+    if prov.get("date"):
+        date, date_source = str(prov["date"]), "results.json's provenance"
+    seeds = res.get("seeds", [res["seed"]] if "seed" in res else [])
+    meta = {"name": name, "renderer": renderer, "command": command, "commit": resolve_commit(commit),
+            "commit_note": commit_note, "seeds": seeds, "load_average": res.get("load_average"),
+            "threads": res.get("threads"), "seconds": seconds,
+            "date": date, "date_source": date_source,
+            "torch": res.get("torch"), "platform": res.get("platform"),
+            "trimmed": list(TRIM[renderer]), "sources": default_sources(RENDERERS[renderer][1])}
+    os.makedirs(RESULTS, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=RESULTS, prefix=f".import-{name}-")
+    os.chmod(tmp, 0o755)
+    try:
+        with open(os.path.join(tmp, "results.json"), "w", encoding="utf-8") as f:
+            f.write(text)
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+        for png in sorted(os.listdir(src)):
+            if png.endswith(".png"):
+                shutil.copy2(os.path.join(src, png), os.path.join(tmp, png))
+        dest = os.path.join(RESULTS, name)
+        old = None
+        if os.path.exists(dest):
+            old = dest + ".old"
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return os.path.relpath(os.path.join(RESULTS, name), ROOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 if a generated file or the README block is out of date")
+    ap.add_argument("--stale", metavar="NAME",
+                    help="print the source files of docs/results/NAME changed since its commit")
+    ap.add_argument("--import", dest="import_dir", metavar="DIR", help="a run's output directory (its results.json)")
+    ap.add_argument("--name", help="--import: the name under docs/results/")
+    ap.add_argument("--command", help="--import: the exact command that produced the run")
+    ap.add_argument("--commit", help="--import: the commit the run was produced at")
+    ap.add_argument("--commit-note", default=None, help="--import: how the commit was determined")
+    ap.add_argument("--renderer", choices=sorted(RENDERERS), default=None,
+                    help="--import: which report code renders it (default: from --name or the results' keys)")
+    args = ap.parse_args(argv)
+    try:
+        if args.stale:
+            print("\n".join(changed_sources(load_run(args.stale)[1])) or f"{args.stale}: not stale")
+            return 0
+        if args.import_dir:
+            if not args.name:
+                raise Refused("--import needs --name")
+            where = import_run(args.import_dir, args.name, args.command, args.commit, args.commit_note, args.renderer)
+            print(f"imported {where}")
+        if args.check:
+            stale = out_of_date()
+            if stale:
+                print(f"out of date: {', '.join(stale)}: run python docs/gen/results_tables.py", file=sys.stderr)
+                return 1
+            return 0
+        for path in write_all():
+            print(f"wrote {path}")
+        return 0
+    except (Refused, OSError, json.JSONDecodeError, KeyError) as err:
+        print(f"results_tables: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""The documentation site: the generated CLI reference and result tables are current, the STALE banner marks a run
+whose producing code changed, every tutorial command runs at a tiny size, and ``mkdocs build --strict`` passes.
+
+Tutorial pages (docs/guides/*.md, see mkdocs.yml): every fenced ``bash`` block is followed by ``<!-- tiny: CMD -->``
+lines (or ``<!-- tiny: skip: REASON -->``); each tiny command has the program and sub-command of a command of its
+block (pairwise when there are as many as commands), and runs from the repository root with ``$TMP`` one fresh
+directory per page, in page order (``bash``, ``OMP_NUM_THREADS=1``, the Hugging Face hub offline, a timeout each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEN = os.path.join(ROOT, "docs", "gen")
+GUIDES = sorted(glob.glob(os.path.join(ROOT, "docs", "guides", "*.md")))
+TINY = re.compile(r"^<!--\s*tiny:\s*(.*?)\s*-->\s*$")
+TINY_TIMEOUT = 300  # seconds per tiny command
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"docs_gen_{name}", os.path.join(GEN, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*cmd, **kw):
+    return subprocess.run(list(cmd), cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+# ---- (a) the CLI reference
+
+
+def test_cli_reference_is_current():
+    r = _run(sys.executable, os.path.join(GEN, "cli_reference.py"), "--check")
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_reference_ignores_the_terminal_width(monkeypatch):
+    cli = _load("cli_reference")
+    monkeypatch.setenv("COLUMNS", "37")
+    narrow = cli.render()
+    monkeypatch.setenv("COLUMNS", "250")
+    assert cli.render() == narrow == open(cli.TARGET, encoding="utf-8").read()
+
+
+def test_cli_reference_has_every_command_and_option():
+    from fullband.cli import build_parser
+
+    text = open(os.path.join(ROOT, "docs", "reference", "cli.md"), encoding="utf-8").read()
+    todo, seen = [build_parser()], 0
+    while todo:
+        parser = todo.pop()
+        seen += 1
+        assert f"`{parser.prog}`" in text, parser.prog
+        section = text.split(f"`{parser.prog}`\n", 1)[1]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += list(action.choices.values())
+            elif action.option_strings and action.help is not argparse.SUPPRESS:
+                assert action.option_strings[-1] in section, (parser.prog, action.option_strings)
+    assert seen > 20  # fullband and its sub-commands and nested sub-commands
+
+
+def test_cli_reference_check_fails_on_a_changed_file(tmp_path, monkeypatch, capsys):
+    cli = _load("cli_reference")
+    target = tmp_path / "cli.md"
+    target.write_text(cli.render().replace("fullband train", "fullband trian", 1))
+    monkeypatch.setattr(cli, "TARGET", str(target))
+    assert cli.main(["--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert cli.main([]) == 0 and cli.main(["--check"]) == 0
+
+
+# ---- (b) the result tables and the README block
+
+
+def test_results_tables_are_current():
+    r = _run(sys.executable, os.path.join(GEN, "results_tables.py"), "--check")
+    assert r.returncode == 0, r.stderr
+
+
+def test_committed_results_are_small_and_complete():
+    rt = _load("results_tables")
+    names = rt.runs()
+    assert {"state", "quickstart-state"} <= set(names)
+    for name in names:
+        size = os.path.getsize(os.path.join(rt.RESULTS, name, "results.json"))
+        assert size < rt.MAX_BYTES, (name, size)
+        meta = json.load(open(os.path.join(rt.RESULTS, name, "meta.json")))
+        for key in ("command", "commit", "seeds", "load_average", "threads", "date", "sources", "renderer"):
+            assert meta.get(key) not in (None, "", []), (name, key)
+        assert all(os.path.exists(os.path.join(ROOT, p)) for p in meta["sources"]), name
+
+
+def _fake_tree(tmp_path, monkeypatch, rt, readme: str | None):
+    """docs/results/state of the repository copied into a tmp tree; the script pointed at it."""
+    results = tmp_path / "docs" / "results"
+    shutil.copytree(os.path.join(rt.RESULTS, "state"), results / "state")
+    if readme is not None:
+        (tmp_path / "README.md").write_text(readme)
+    monkeypatch.setattr(rt, "RESULTS", str(results))
+    monkeypatch.setattr(rt, "GENERATED", str(results / "generated"))
+    monkeypatch.setattr(rt, "README", str(tmp_path / "README.md"))
+    return results
+
+
+def test_results_check_fails_until_written(tmp_path, monkeypatch):
+    rt = _load("results_tables")
+    results = _fake_tree(tmp_path, monkeypatch, rt, None)
+    missing = rt.out_of_date()  # nothing generated yet
+    assert len(missing) == 1 and missing[0].endswith("generated/state.md")
+    assert rt.main(["--check"]) == 1
+    assert rt.main([]) == 0 and rt.out_of_date() == [] and rt.main(["--check"]) == 0
+    page = (results / "generated" / "state.md").read_text()
+    assert page.splitlines()[2].startswith("Produced by `fullband experiment state") and "| arm | mode |" in page
+    assert page == open(os.path.join(ROOT, "docs", "results", "generated", "state.md")).read()
+    (results / "generated" / "state.md").write_text(page.replace("| arm |", "| arms |"))  # a hand edit
+    assert rt.main(["--check"]) == 1
+    (results / "generated" / "orphan.md").write_text("a page without its run\n")
+    rt.main([])
+    assert not (results / "generated" / "orphan.md").exists()
+
+
+def test_readme_block_is_rewritten_between_the_markers(tmp_path, monkeypatch):
+    rt = _load("results_tables")
+    src = os.path.join(ROOT, "docs", "results", "quickstart")
+    if not os.path.isdir(src):
+        pytest.skip("no docs/results/quickstart committed yet")
+    readme = "# x\n\nbefore\n" + rt.START + "\nold table\n" + rt.END + "\nafter\n"
+    results = _fake_tree(tmp_path, monkeypatch, rt, readme)
+    shutil.copytree(src, results / "quickstart")
+    assert rt.main(["--check"]) == 1
+    assert rt.main([]) == 0 and rt.main(["--check"]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# x\n\nbefore\n" + rt.START + "\n") and readme.endswith("\n" + rt.END + "\nafter\n")
+    assert "old table" not in readme and "| model | mode (whole rows" in readme
+    res = json.load(open(os.path.join(src, "results.json")))
+    assert f"| baseline | standard | {res['baseline_val_loss']:.4f} |" in readme  # the number of the results file
+
+
+def test_readme_without_markers_is_left_alone(tmp_path, monkeypatch):
+    rt = _load("results_tables")
+    results = _fake_tree(tmp_path, monkeypatch, rt, "# no markers\n")
+    shutil.copytree(results / "state", results / "quickstart")
+    meta = json.load(open(results / "quickstart" / "meta.json"))
+    (results / "quickstart" / "meta.json").write_text(json.dumps(meta | {"renderer": "state"}))
+    assert rt.main([]) == 0
+    assert (tmp_path / "README.md").read_text() == "# no markers\n"
+
+
+def test_import_trims_and_writes_meta(tmp_path, monkeypatch):
+    rt = _load("results_tables")
+    results = _fake_tree(tmp_path, monkeypatch, rt, None)
+    run = tmp_path / "run"
+    run.mkdir()
+    res = json.load(open(results / "state" / "results.json")) | {"per_seed": {"0": {"rows": list(range(5000))}}}
+    (run / "results.json").write_text(json.dumps(res))
+    (run / "state.png").write_bytes(b"\x89PNG")
+    code = rt.main(["--import", str(run), "--name", "again", "--command", "fullband experiment state --seeds 0",
+                    "--commit", "HEAD"])
+    assert code == 0
+    kept = json.load(open(results / "again" / "results.json"))
+    assert "per_seed" not in kept and kept["table"] == res["table"]
+    meta = json.load(open(results / "again" / "meta.json"))
+    assert meta["renderer"] == "state" and meta["seeds"] == res["seeds"] and len(meta["commit"]) == 40
+    assert "src/fullband/experiments/state.py" in meta["sources"] and (results / "again" / "state.png").exists()
+    # a results.json that records its provenance: --command / --commit default to it
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res["provenance"] = {"command": ["fullband", "experiment", "state", "--out", "a b"], "git_commit": head,
+                         "git_dirty": True, "date": "2026-12-02T01:00:00+00:00"}
+    (run / "results.json").write_text(json.dumps(res))
+    assert rt.main(["--import", str(run), "--name", "prov"]) == 0
+    meta = json.load(open(results / "prov" / "meta.json"))
+    assert meta["command"] == "fullband experiment state --out 'a b'" and meta["commit"] == head
+    assert meta["date"] == "2026-12-02T01:00:00+00:00" and "modified" in meta["commit_note"]
+    del res["provenance"]
+    (run / "results.json").write_text(json.dumps(res))
+    assert rt.main(["--import", str(run), "--name", "z"]) == 2 and not (results / "z").exists()
+    # refused: one line, exit 2, nothing written
+    assert rt.main(["--import", str(tmp_path / "nowhere"), "--name", "x", "--command", "c", "--commit", "HEAD"]) == 2
+    assert rt.main(["--import", str(run), "--name", "y", "--command", "c", "--commit", "0" * 40]) == 2
+    assert not (results / "x").exists() and not (results / "y").exists()
+
+
+# ---- (c) the STALE banner, on a throwaway git repository
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_stale_banner_marks_a_changed_source_only(tmp_path, monkeypatch):
+    rt = _load("results_tables")
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "producer.py").write_text("x = 1\n")
+    (repo / "notes.txt").write_text("a\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "run")
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    monkeypatch.setattr(rt, "ROOT", str(repo))
+    res = json.load(open(os.path.join(ROOT, "docs", "results", "state", "results.json")))
+    meta = {"command": "c", "commit": commit, "seeds": [0], "load_average": [1.0, 1.0], "threads": 1, "date": "d",
+            "renderer": "state", "sources": ["src/producer.py", "src/added.py"]}
+    assert "STALE" not in rt.render_page("x", res, meta)
+    (repo / "notes.txt").write_text("b\n")  # a change elsewhere
+    _git(repo, "commit", "-q", "-am", "elsewhere")
+    assert "STALE" not in rt.render_page("x", res, meta)
+    (repo / "src" / "producer.py").write_text("x = 2\n")  # uncommitted change of a source: marked already
+    page = rt.render_page("x", res, meta)
+    assert '!!! warning "STALE' in page and rt.changed_sources(meta) == ["src/producer.py"]
+    _git(repo, "commit", "-q", "-am", "producer changed")
+    assert rt.render_page("x", res, meta) == page  # the same once committed
+    (repo / "src" / "producer.py").write_text("x = 1\n")
+    _git(repo, "commit", "-q", "-am", "producer back")
+    assert "STALE" not in rt.render_page("x", res, meta)
+    (repo / "src" / "added.py").write_text("y = 1\n")  # a source the commit did not have, untracked
+    assert "STALE" in rt.render_page("x", res, meta) and rt.changed_sources(meta) == ["src/added.py"]
+    meta["commit"] = "f" * 40
+    with pytest.raises(rt.Refused):
+        rt.render_page("x", res, meta)
+
+
+# ---- (d) the tutorial commands
+
+
+def _commands(block: list[str]) -> list[str]:
+    """The commands of a bash block: continuation lines joined, comments and blank lines dropped."""
+    out, cur = [], ""
+    for line in block:
+        s = line.rstrip()
+        if not cur and (not s.strip() or s.lstrip().startswith("#")):
+            continue
+        if s.endswith("\\"):
+            cur += s[:-1] + " "
+            continue
+        out.append((cur + s).strip())
+        cur = ""
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def program_and_subcommand(command: str) -> tuple[str, str | None]:
+    """The program (after ``VAR=value`` assignments) and its first argument that is not an option."""
+    try:
+        words = shlex.split(command.split("|")[0])
+    except ValueError:
+        words = command.split()
+    while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+        words = words[1:]
+    if "-m" in words[:-1]:  # `python -m X` / `torchrun ... -m X`: the module is the program (its options before)
+        words = words[words.index("-m") + 1:]
+    if not words:
+        return "", None
+    return words[0], next((w for w in words[1:] if not w.startswith("-")), None)
+
+
+def tutorial_steps(path: str) -> list[tuple[int, str | None, str]]:
+    """``(line, tiny command or None for a skip, the shown command)`` per tiny line of a guide page, in page order;
+    a bash block without tiny lines, or a tiny command whose program / sub-command is none of its block's, fails
+    with the page and the line."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    rel, steps, i = os.path.relpath(path, ROOT), [], 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)(`{3,}|~{3,})\s*bash\b", lines[i])
+        if not fence:
+            i += 1
+            continue
+        start, marker = i + 1, fence.group(2)
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(marker):
+            j += 1
+        shown = _commands(lines[i + 1:j])
+        k = j + 1
+        tinies = []
+        while k < len(lines) and (m := TINY.match(lines[k].strip())):
+            tinies.append((k + 1, m.group(1)))
+            k += 1
+        if not tinies:
+            pytest.fail(f"{rel}:{start}: a bash block without a `<!-- tiny: ... -->` line after it")
+        if not shown:
+            pytest.fail(f"{rel}:{start}: an empty bash block")
+        for n, (line, tiny) in enumerate(tinies):
+            if re.match(r"^skip\s*:", tiny):
+                if not tiny.split(":", 1)[1].strip():
+                    pytest.fail(f"{rel}:{line}: `tiny: skip:` without a reason")
+                steps.append((line, None, shown[0]))
+                continue
+            candidates = [shown[n]] if len(tinies) == len(shown) else shown
+            if program_and_subcommand(tiny) not in [program_and_subcommand(c) for c in candidates]:
+                pytest.fail(f"{rel}:{line}: tiny command {program_and_subcommand(tiny)} is not the program and "
+                            f"sub-command of the block's command(s) {[program_and_subcommand(c) for c in candidates]}")
+            steps.append((line, tiny, candidates[0]))
+        i = k
+    return steps
+
+
+def test_tutorial_parser_catches_missing_and_mismatched_tiny_lines(tmp_path):
+    good = tmp_path / "good.md"
+    good.write_text("x\n```bash\nOMP_NUM_THREADS=1 fullband train \\\n  --steps 9\nfullband eval --model m\n```\n"
+                    "<!-- tiny: fullband train --steps 1 -->\n<!-- tiny: fullband eval --model \"$TMP/m\" -->\n"
+                    "```bash\ntorchrun x\n```\n<!-- tiny: skip: needs 2 GPUs -->\n```text\nnot run\n```\n"
+                    "```bash\ntorchrun --nproc_per_node 8 -m fullband.cli train --steps 9\n```\n"
+                    "<!-- tiny: torchrun --nproc_per_node 2 -m fullband.cli train --steps 1 -->\n")
+    assert [(s[0], s[1]) for s in tutorial_steps(str(good))] == [
+        (7, "fullband train --steps 1"), (8, 'fullband eval --model "$TMP/m"'), (12, None),
+        (19, "torchrun --nproc_per_node 2 -m fullband.cli train --steps 1")]
+    missing = tmp_path / "missing.md"
+    missing.write_text("a\n\n```bash\nfullband train\n```\n\nprose\n")
+    with pytest.raises(pytest.fail.Exception, match=r"missing.md:3: a bash block without"):
+        tutorial_steps(str(missing))
+    other = tmp_path / "other.md"
+    other.write_text("```bash\nfullband train --steps 9\n```\n<!-- tiny: fullband eval --steps 1 -->\n")
+    with pytest.raises(pytest.fail.Exception, match=r"other.md:4: tiny command"):
+        tutorial_steps(str(other))
+
+
+@pytest.mark.parametrize("page", GUIDES or [pytest.param(None, marks=pytest.mark.skip(reason="no docs/guides/*.md"))],
+                         ids=lambda p: os.path.basename(p) if p else "none")
+def test_tutorial_commands_run(page, tmp_path):
+    steps = tutorial_steps(page)
+    # no network in tests: the Hugging Face hub and datasets offline (lm-eval's tasks are shipped files)
+    env = dict(os.environ, TMP=str(tmp_path), OMP_NUM_THREADS="1", NO_COLOR="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    ran = 0
+    for line, tiny, _ in steps:
+        if tiny is None:
+            continue
+        try:
+            r = subprocess.run(tiny, shell=True, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=TINY_TIMEOUT, executable="/bin/bash")
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{os.path.relpath(page, ROOT)}:{line}: timed out after {TINY_TIMEOUT}s: {tiny}")
+        if r.returncode != 0:
+            tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
+            pytest.fail(f"{os.path.relpath(page, ROOT)}:{line}: exit {r.returncode}: {tiny}\n" + "\n".join(tail))
+        ran += 1
+    if not ran:
+        pytest.skip(f"{os.path.basename(page)}: no command to run (no bash block, or every one `tiny: skip`)")
+
+
+# ---- (e) the site
+
+
+def test_mkdocs_build_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings_handlers") is None:
+        pytest.skip('mkdocs / mkdocstrings-python not installed (pip install -e ".[docs]")')
+    r = _run(sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site"),
+             env=dict(os.environ, NO_MKDOCS_2_WARNING="1"), timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert (tmp_path / "site" / "reference" / "cli" / "index.html").exists()
