@@ -230,3 +230,10 @@ def test_flops_matched_steps_charges_passes_without_gradient_at_their_forward():
     # 5 + 5 x 7/3 = 16.67 -> 17 (counted as plain K = 2 steps it was 15: a control short of the FBT run's FLOPs)
     exact = TrainConfig(steps=10, feedback_start=0.5, num_passes=2, grad_passes=2, deep_fraction=0.0, exact_states=True)
     assert flops_matched_steps(exact) == 17
+    # --full-backprop: a fed-back step is one pass with gradient token by token, + its forward recomputed in the
+    # backward (C > 0): 5 + 5 x 4/3 = 11.67 -> 12 (counted as K = 8 plain passes it was 45: a control given 4x FBT's)
+    full_bp = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, deep_fraction=0.0, full_backprop=True)
+    assert flops_matched_steps(full_bp) == 12
+    no_recompute = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, deep_fraction=0.0, full_backprop=True,
+                               backprop_chunk=0)
+    assert flops_matched_steps(no_recompute) == 10

@@ -414,7 +414,11 @@ def _add_train(sub) -> None:
                         "(fullband train --exact-states --grad-passes N), with its training FLOPs per step vs K1")
     p.add_argument("--exact-reference", action="store_true",
                    help="with --exact N: also KT1_gN, K = seq-len + 1 teacher-forced passes with --grad-passes N "
-                        "(the O(T^2) form it replaces; slow at long rows)")
+                        "(the O(T^2) form it replaces; slow at long rows); with --full-backprop also KT1_full, "
+                        "K = seq-len + 1 passes all with gradient")
+    p.add_argument("--full-backprop", type=int, action="append", default=None, metavar="C",
+                   help="also full_cC: full backpropagation through the token-by-token recurrence in blocks of C "
+                        "tokens (fullband train --full-backprop --backprop-chunk C; 0: no recomputation); repeatable")
     p.set_defaults(func=_run)
 
 

@@ -7,10 +7,12 @@ and :func:`format_benchmark`; ``fullband bench`` (:mod:`fullband.commands.bench`
 ``--compile`` adds the rows ``K1_compile`` and ``K2_compile``, ``--activation-checkpointing`` the row ``K2_ac``,
 ``--loss-chunk N`` the row ``K2_chunk``, ``--exact N`` the row ``exact_gN`` (``--exact-states --grad-passes N``)
 and with ``--exact-reference`` the row ``KT1_gN`` (K = T + 1 passes, the last N with gradient: the quadratic form
-it replaces); every row reports its training FLOPs per step over K1's (:func:`fullband.eval.flops.training_flops`
-of the record the engine would log). ``--memory`` measures instead of times: each case's peak memory during one
-step above its memory before it (on CPU the resident set: Linux ``VmHWM``, reset through ``/proc/self/clear_refs``,
-with glibc serving every block over 1 MiB by its own ``mmap`` so that freed tensors leave the resident set; on CUDA
+it replaces); ``full_backprop`` = C (an int or a list; ``--full-backprop C`` of ``fullband bench train``) the rows
+``full_cC`` (``--full-backprop --backprop-chunk C``), with ``--exact-reference`` also ``KT1_full`` (K = T + 1
+passes, all with gradient: the form whose last-pass gradient it equals); every row reports its training FLOPs
+per step over K1's (:func:`fullband.eval.flops.training_flops` of the record the engine would log). ``--memory``
+measures instead of times: each case's peak memory during one step above its memory before it (on CPU the
+resident set: Linux ``VmHWM``, reset through ``/proc/self/clear_refs``, with glibc serving every block over 1 MiB by its own ``mmap`` so that freed tensors leave the resident set; on CUDA
 ``torch.cuda.max_memory_allocated``).
 """
 
@@ -105,6 +107,14 @@ def benchmark_train(args) -> dict:
         cases.append((f"exact_g{exact}", exact, False, {"forward": {"exact_states": True}}))
         if getattr(args, "exact_reference", False):
             cases.append((f"KT1_g{exact}", seq + 1, False, {"forward": {"grad_passes": exact}}))
+    full = getattr(args, "full_backprop", None)
+    full = [] if full is None else [full] if isinstance(full, int) else list(full)
+    if any(not isinstance(c, int) or c < 0 for c in full):
+        raise ValueError(f"--full-backprop takes block sizes >= 0 tokens (0: no recomputation), got {full}")
+    for c in full:  # the recurrence with gradient, as `fullband train --full-backprop --backprop-chunk C` runs it
+        cases.append((f"full_c{c}", 1, False, {"forward": {"full_backprop": True, "backprop_chunk": c}}))
+    if full and getattr(args, "exact_reference", False):  # K = T + 1 passes, all with gradient: what it equals
+        cases.append(("KT1_full", seq + 1, False, {}))
     cfg = TrainConfig(out="-", preset=preset)
     setups = {}
     for label, K, detach, levers in cases:
@@ -154,7 +164,9 @@ def benchmark_train(args) -> dict:
         """The case's training FLOPs per step over K1's, from the record the engine logs for such a step."""
         forward = levers.get("forward", {})
         record = {"num_passes": K}
-        if forward.get("exact_states"):
+        if forward.get("full_backprop"):
+            record.update(num_passes=2, full_backprop=True, backprop_chunk=forward["backprop_chunk"])
+        elif forward.get("exact_states"):
             record.update(exact_states=True, passes_run=K, grad_passes_run=K)
         elif forward.get("grad_passes"):
             record.update(passes_run=K, grad_passes_run=forward["grad_passes"])
@@ -193,7 +205,7 @@ def benchmark_train(args) -> dict:
                           "step_cpu_s": sorted(cpu_times[label])[len(ts) // 2], "step_cpu_s_all": cpu_times[label]}
     for label in list(results):  # a lever's speed against the same K without it (wall clock and CPU time)
         base = label.split("_")[0]
-        if base in ("exact", "KT1"):  # against the plain step instead: the cost of the whole recurrence
+        if base in ("exact", "KT1", "full"):  # against the plain step instead: the cost of the whole recurrence
             results[label]["cpu_vs_K1"] = results[label]["step_cpu_s"] / results["K1"]["step_cpu_s"]
         elif label not in ("K2_detach", base):
             results[label]["speedup_vs_" + base] = results[base]["step_s"] / results[label]["step_s"]

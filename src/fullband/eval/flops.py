@@ -36,13 +36,21 @@ def training_flops(records: list[dict], tokens_per_step: int, seq_len: int, fp: 
     A record with ``exact_states`` (``--exact-states``) ran the token-by-token recurrence first, without gradient
     and without logits (a forward pass without the LM head, fused: the attention over the cached keys costs what
     a causal pass's does), then its ``passes_run`` teacher-forced passes, every one fused and with gradient.
+    A record with ``full_backprop`` (``--full-backprop``) ran the recurrence once with gradient (a fused pass
+    with gradient) and, with ``backprop_chunk`` > 0, recomputed its forward in the backward (a fused forward with
+    the LM head: ``2·N + 2·L·T·d + 2·N_fusion``): 4/3 of a plain pass in all.
     """
     per_pass = 6.0 * fp["matmul_params"] + 6.0 * fp["layers"] * seq_len * fp["hidden"]
     free_pass = 2.0 * (fp["matmul_params"] - fp["head_params"]) + 2.0 * fp["layers"] * seq_len * fp["hidden"]
     fused = 6.0 * fp["fusion_params"]
     steps = [r for r in records if r.get("split", "train") == "train" and "num_passes" in r]
     passes = flops_per_token = 0.0
+    recompute = 2.0 * fp["matmul_params"] + 2.0 * fp["layers"] * seq_len * fp["hidden"] + fused / 3.0
     for r in steps:
+        if r.get("full_backprop"):
+            passes += 1
+            flops_per_token += per_pass + fused + (recompute if r.get("backprop_chunk", 1) else 0.0)
+            continue
         if r.get("exact_states"):
             run = float(r["passes_run"])
             passes += run

@@ -102,13 +102,18 @@ def plain_config(cfg):
     return dataclasses.replace(cfg, num_passes=1, deep_passes=1)
 
 
-def plain_step_equivalents(num_passes: int, grad_passes: int = 0, exact_states: bool = False) -> float:
+def plain_step_equivalents(num_passes: int, grad_passes: int = 0, exact_states: bool = False,
+                           full_backprop: bool = False, backprop_chunk: int = 0) -> float:
     """A step of K passes in plain-step FLOPs: a pass with gradient 1, a pass without (the first K - N of
     ``--grad-passes N``) 1/3, its forward; the fusion's own FLOPs (under 1% of a pass) left out. A pass without
     gradient projects no position through the LM head (:func:`fullband.eval.flops.training_flops` counts it at
     ``2·(N - N_head) + 2·L·T·d``, a little under 1/3), so the plain control matched with this is given at least the
     FBT run's FLOPs: the comparison errs in the baseline's favour. With ``exact_states`` a fed-back step is the
-    token-by-token pass (its forward, 1/3 on the same terms) and ``grad_passes`` gradient passes."""
+    token-by-token pass (its forward, 1/3 on the same terms) and ``grad_passes`` gradient passes. With
+    ``full_backprop`` a fed-back step is one pass with gradient, token by token, plus (``backprop_chunk`` > 0) the
+    forward recomputed in the backward: 1 + 1/3."""
+    if full_backprop and num_passes > 1:
+        return 1 + (1 / 3.0 if backprop_chunk > 0 else 0.0)
     if exact_states and num_passes > 1:
         return grad_passes + 1 / 3.0
     grad = num_passes if grad_passes <= 0 or num_passes == 1 else min(grad_passes, num_passes)
@@ -120,7 +125,8 @@ def flops_matched_steps(fbt_cfg) -> int:
     gradient at a third; rounded up). ``--pass-tol`` may stop passes early: this is then an upper bound."""
     sched = fbt_cfg.schedule()
     return math.ceil(sum(plain_step_equivalents(sched.passes_at(i, fbt_cfg.steps), fbt_cfg.grad_passes,
-                                                fbt_cfg.exact_states)
+                                                fbt_cfg.exact_states, getattr(fbt_cfg, "full_backprop", False),
+                                                getattr(fbt_cfg, "backprop_chunk", 0))
                          for i in range(fbt_cfg.steps)) - 1e-9)
 
 

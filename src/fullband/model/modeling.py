@@ -37,6 +37,7 @@ from .feedback import (
     positions,
     shift_right,
 )
+from .full_backprop import full_backprop_forward
 from .generation import FeedbackGenerationMixin
 from .lm_loss import check_chunkable, chunked_lm_loss, z_loss_from_logits
 from .objective import combine_pass_losses
@@ -260,7 +261,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                 num_items_in_batch: torch.Tensor | None = None, feedback_weight: float | None = None,
                 state_hook: StateHook | None = None, grad_passes: int | None = None,
                 pass_tol: float | None = None, loss_chunk: int | None = None, z_loss: float | None = None,
-                score_all_passes: bool = False, exact_states: bool = False, **kwargs) -> FullBandwidthOutput:
+                score_all_passes: bool = False, exact_states: bool = False, full_backprop: bool = False,
+                backprop_chunk: int = 8, **kwargs) -> FullBandwidthOutput:
         """K-pass teacher-forced forward: the one place the K passes are written.
 
         Pass 1 is the backbone's ordinary forward (fused only at position 0 when ``prev_hidden``, the state of
@@ -310,6 +312,13 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
         no plain pass, so ``feedback_weight`` does not apply) and ``pass_losses`` has N entries. It takes no
         ``prev_hidden``, ``cache``, ``grad_passes`` or ``pass_tol``.
+
+        Full backpropagation through the recurrence: ``full_backprop=True`` (with ``num_passes=1``) runs the
+        token-by-token recurrence itself with gradient, through the fed-back states and the KV cache, in blocks of
+        ``backprop_chunk`` tokens recomputed in the backward (:mod:`fullband.model.full_backprop`: memory linear in
+        T). Its loss is the recurrence's, its gradient that of the last of ``num_passes = T + 1`` passes;
+        ``pass_losses`` has one entry. It takes no ``prev_hidden``, ``cache``, ``grad_passes``, ``pass_tol``,
+        ``exact_states``, ``state_hook`` or ``score_all_passes``, and no packed rows.
         """
         kwargs.pop("return_dict", None)
         kwargs.pop("output_hidden_states", None)
@@ -318,6 +327,12 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
                              or pass_tol is not None):
             raise ValueError("exact_states runs the whole recurrence itself, then num_passes gradient passes: it "
                              "takes no prev_hidden, cache, use_cache, grad_passes or pass_tol")
+        if full_backprop and (num_passes != 1 or prev_hidden is not None or cache is not None or use_cache
+                              or grad_passes is not None or pass_tol is not None or exact_states
+                              or state_hook is not None or score_all_passes):
+            raise ValueError("full_backprop runs the whole recurrence as one pass with gradient: it takes "
+                             "num_passes=1 and no prev_hidden, cache, use_cache, grad_passes, pass_tol, "
+                             "exact_states, state_hook or score_all_passes")
         past_length = cache.get_seq_length() if cache is not None else 0
         self.check_inputs(input_ids, attention_mask, labels, feedback_mask, num_passes, past_length)
         if num_passes > 1 and past_length:
@@ -350,6 +365,9 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         loss_kwargs = {"loss_chunk": loss_chunk if chunked else 0, "z_loss": z_loss or 0.0}
         if num_items_in_batch is not None:
             loss_kwargs["num_items_in_batch"] = num_items_in_batch
+        if full_backprop:
+            return full_backprop_forward(self, input_ids, attention_mask, labels, feedback_mask, position_ids,
+                                         backprop_chunk, loss_kwargs, **kwargs)
         # passes 0..first_grad-1 run without gradient (0-based), scored only with score_all_passes; the last n_grad
         # with it
         exact = None

@@ -1,8 +1,9 @@
 """The model's parameters when FSDP2 shards them: what the model layer must do differently there.
 
 Owns :func:`gathered_once` (the token-by-token recurrence calls each decoder layer once a token: every sharded layer
-all-gathered once for the whole pass) and :func:`embedding_rms` (the RMS of a possibly unevenly sharded embedding
-matrix, by a scalar all-reduce rather than a gather).
+all-gathered once for the whole pass), :func:`is_sharded` (whether FSDP2 shards any part of a model) and
+:func:`embedding_rms` (the RMS of a possibly unevenly sharded embedding matrix, by a scalar all-reduce rather than a
+gather).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def gathered_once(model: torch.nn.Module):
             m.set_reshard_after_forward(reshard, recurse=False)
             if reshard:
                 m.reshard()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model`` or any of its sub-modules."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def embedding_rms(embeddings) -> float:

@@ -103,6 +103,8 @@ class TrainConfig:
     pass_tol: float = config_field(0.0, "stop the passes early once max|h_k - h_{k-1}| / max|h_{k-1}| < this (the gradient passes still run; 0: off)", branch=True, group="feedback")
     pass_mix: str | None = config_field(None, "K of each feedback step drawn from K:P pairs, e.g. 1:0.75,2:0.22,3:0.03 (the paper's per-batch mix; a function of --seed and the step alone); --num-passes must be its largest K and --deep-fraction 0", branch=True, group="feedback")
     exact_states: bool = config_field(False, "the exact recurrence at linear cost: each fed-back step runs the token-by-token recurrence without gradient for the exact states, then --grad-passes N teacher-forced passes with gradient from them (K of the schedule then only says which steps are fed back)", branch=True, group="feedback")
+    full_backprop: bool = config_field(False, "full backpropagation through the token-by-token recurrence: each fed-back step runs the exact recurrence with gradient through every step's state and KV cache (its gradient: the last of K = T + 1 passes' gradient, at the cost of about 4/3 of a plain step's FLOPs; memory linear in T: see --backprop-chunk); K of the schedule then only says which steps are fed back", branch=True, group="feedback")
+    backprop_chunk: int = config_field(8, "--full-backprop: blocks of this many tokens, each recomputed in the backward (memory kept: the hidden states and keys/values of the row, plus one block's insides over the row's keys; 0: no recomputation, memory quadratic in the row length)", traj=False, group="feedback")
     pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback")
     # ---- stability guard
     spike_factor: float = config_field(3.0, "skip a step whose loss (the mean of the passes it trains) exceeds this times its running average (0: off)", group="guard")
@@ -139,7 +141,10 @@ class TrainConfig:
     def pass_options(self) -> dict:
         """The K-pass forward's long-recurrence arguments of a fed-back training step (``grad_passes``,
         ``pass_tol``; with ``--exact-states``, ``exact_states`` instead: the N gradient passes are then the
-        forward's ``num_passes``, :meth:`step_passes`)."""
+        forward's ``num_passes``, :meth:`step_passes`; with ``--full-backprop``, ``full_backprop`` and
+        ``backprop_chunk``: the recurrence is then the forward's one pass)."""
+        if getattr(self, "full_backprop", False):
+            return {"full_backprop": True, "backprop_chunk": self.backprop_chunk}
         if self.exact_states:
             return {"exact_states": True}
         return {"grad_passes": self.grad_passes or None, "pass_tol": self.pass_tol or None}
@@ -148,12 +153,15 @@ class TrainConfig:
         """The periodic evaluation's fed-back mode and its label: ``("passes", K)``, or with ``--exact-states``
         (trained on the exact recurrence, never on K teacher-forced passes from a plain start) ``("exact",
         "exact")``."""
-        return ("exact", "exact") if self.exact_states else ("passes", self.num_passes)
+        exact = self.exact_states or getattr(self, "full_backprop", False)
+        return ("exact", "exact") if exact else ("passes", self.num_passes)
 
     def step_passes(self, num_passes: int) -> int:
         """The forward's ``num_passes`` on a step whose schedule says K = ``num_passes``: K itself, or with
         ``--exact-states`` on a fed-back step (K > 1) the ``--grad-passes`` N gradient passes after the exact
-        states."""
+        states; with ``--full-backprop``, 1: the recurrence with gradient is one pass."""
+        if getattr(self, "full_backprop", False) and num_passes > 1:
+            return 1
         return self.grad_passes if self.exact_states and num_passes > 1 else num_passes
 
     def loss_options(self) -> dict:
@@ -237,6 +245,15 @@ class TrainConfig:
              "of gradient passes run from the exact states (2 is the usual choice)")
         need(not (self.exact_states and self.pass_tol), "--exact-states computes the exact states directly: "
              "--pass-tol (which stops the passes once they converge) does not apply; leave it 0")
+        if self.full_backprop:
+            need(not self.exact_states, "--full-backprop and --exact-states are two ways to train the recurrence: "
+                 "choose one")
+            need(not self.grad_passes and not self.pass_tol, "--full-backprop backpropagates through the whole "
+                 "recurrence: --grad-passes and --pass-tol (options of the K passes) do not apply; leave them 0")
+            need(not (self.parallel == "fsdp" and world_size > 1), "--full-backprop does not run under FSDP2 (its "
+                 "blocks recompute sharded layers in the backward): use --parallel ddp")
+        need(self.backprop_chunk >= 0, f"--backprop-chunk must be >= 0 tokens (0: no recomputation), got "
+             f"{self.backprop_chunk}")
         need(0.0 <= self.pass_curriculum <= 1.0, f"--pass-curriculum must be in [0, 1], got {self.pass_curriculum}")
         self.schedule()  # start fraction, passes, deep fraction, curriculum
         need(self.spike_factor == 0 or self.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1, got {self.spike_factor}")

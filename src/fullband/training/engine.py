@@ -371,6 +371,9 @@ class Trainer:
             rec["grad_passes_run"] = sum(g for _, g in ran) / len(ran)
         if K > 1 and cfg.exact_states:  # the token-by-token pass before the passes_run teacher-forced ones
             rec["exact_states"] = True
+        if K > 1 and cfg.full_backprop:  # the recurrence with gradient, in blocks recomputed in the backward
+            rec["full_backprop"] = True
+            rec["backprop_chunk"] = cfg.backprop_chunk
         if zs:
             rec["z_loss"] = finite_or_none(stats[-1])
         if frozen:

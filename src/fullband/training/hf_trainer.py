@@ -101,6 +101,9 @@ class PassSchedule:
     @classmethod
     def from_train_config(cls, cfg: TrainConfig, **overrides) -> "PassSchedule":
         """The schedule ``fullband train`` would run with ``cfg``: every field of ``cfg`` that is one of these."""
+        if cfg.full_backprop:  # not a PassSchedule option: dropped here, the run would train K passes instead
+            raise ValueError("full_backprop (--full-backprop) is not wired into the Hugging Face Trainer: train it "
+                             "with `fullband train`, or use exact_states")
         names = {f.name for f in dataclasses.fields(cls)} & set(TrainConfig.field_names())
         return cls(**{**{n: getattr(cfg, n) for n in names}, **overrides})
 

@@ -7,8 +7,10 @@ every K the feedback schedule uses and of the whole run (:func:`fullband.eval.fl
 count a finished run: ``6·N + 6·L·T·d`` per token and pass with gradient, plus ``6·N_fusion`` per fused pass, a third
 of that for the passes ``--grad-passes`` runs without gradient), the memory of one device (weights, gradients
 and AdamW state under DDP or sharded by FSDP; the activations as the run's ``--activation-checkpointing`` and
-``--loss-chunk`` keep them, and what both levers together would keep) and the time at a stated MFU on a named GPU.
-Every memory and time figure is an estimate: the assumptions are printed with it.
+``--loss-chunk`` keep them, and what both levers together would keep; with ``--full-backprop``,
+:func:`full_backprop_bytes`) and the time at a stated MFU on a named GPU, plus, for ``--exact-states`` and
+``--full-backprop``, the latency of their token-by-token steps at an assumed time per layer and step. Every memory
+and time figure is an estimate: the assumptions are printed with it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ GIB = 1024 ** 3
 # assumption, not a measurement: at small batch a layer's dozen kernels are launch-bound, ~10 us each in eager
 # PyTorch; CUDA graphs or a fused kernel would lower it)
 TOKEN_STEP_LAYER_SECONDS = 1.5e-4
+# --full-backprop: a one-token layer step's backward, in forward steps' time (about twice its kernels; assumed)
+TOKEN_STEP_BACKWARD_FACTOR = 2.0
 
 
 def _backbone_config(cfg: TrainConfig):
@@ -68,6 +72,7 @@ def count_parameters(cfg: TrainConfig) -> dict:
             "layers": int(conf.num_hidden_layers), "hidden": int(conf.hidden_size),
             "intermediate": int(getattr(conf, "intermediate_size", 4 * conf.hidden_size)),
             "heads": int(conf.num_attention_heads), "vocab": int(emb.num_embeddings),
+            "kv_heads": int(getattr(conf, "num_key_value_heads", None) or conf.num_attention_heads),
             "architecture": type(backbone).__name__}
 
 
@@ -91,6 +96,21 @@ def activation_bytes_per_token(p: dict, act_bytes: int, checkpointing: bool, gpu
     per_layer = 10 * d + 4 * f + (0 if gpu_attention else 2 * p["heads"] * p["seq_len"])
     layers = L * d + per_layer if checkpointing else L * per_layer
     return layers * act_bytes + (0 if loss_chunk else p["vocab"] * 4)
+
+
+def full_backprop_bytes(p: dict, micro_tokens: int, chunk: int, act_bytes: int, loss_chunk: int = 0) -> float:
+    """``--full-backprop``'s activations (an estimate, :mod:`fullband.model.full_backprop`): kept until the
+    backward, each token's final state and its keys and values in every layer (``d + 2·L·d_kv``) and its fp32
+    logits (``V``, none with ``--loss-chunk``: counted by the caller), plus, while one block of ``chunk`` tokens is
+    recomputed, its steps' insides (a layer's ``10·d + 4·f`` per token) and each step's keys and values over the
+    row (``2·L·d_kv·T`` a step). ``chunk = 0``: every step's insides and keys kept (quadratic in T)."""
+    d, f, L, T = p["hidden"], p["intermediate"], p["layers"], p["seq_len"]
+    kv = p["kv_heads"] * (d // p["heads"])
+    rows = micro_tokens / T
+    kept = micro_tokens * (d + 2 * L * kv) * act_bytes + (0 if loss_chunk else micro_tokens * p["vocab"] * 4)
+    block = T if chunk == 0 else min(chunk, T)
+    insides = rows * block * (L * (10 * d + 4 * f) + 2 * L * kv * T) * act_bytes
+    return kept + insides
 
 
 def loss_chunk_bytes(p: dict, loss_chunk: int, micro_tokens: int) -> float:
@@ -118,6 +138,8 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
     gp = cfg.grad_passes  # truncated gradients: the first K - N passes run forward only
 
     def step_record(k: int) -> dict:  # what the engine logs for a step of K = k
+        if cfg.full_backprop and k > 1:  # the recurrence with gradient, its blocks recomputed in the backward
+            return {"num_passes": k, "full_backprop": True, "backprop_chunk": cfg.backprop_chunk}
         if cfg.exact_states and k > 1:  # the token-by-token pass, then N gradient passes
             return {"num_passes": k, "exact_states": True, "passes_run": gp, "grad_passes_run": gp}
         return {"num_passes": k, "grad_passes_run": min(gp, k) if gp else k}
@@ -134,16 +156,26 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
     k_max = max(hist)
     grad_passes = cfg.grad_passes or k_max  # passes that keep their graph for the backward
     graphs = grad_passes if cfg.exact_states and k_max > 1 else min(grad_passes, k_max)
+    if cfg.full_backprop and k_max > 1:
+        graphs = 1
     ckpt, chunk = cfg.activation_checkpointing, cfg.loss_chunk
     per_token = activation_bytes_per_token(p, 2, ckpt, gpu_attention=True, loss_chunk=chunk)
     activations = micro_tokens * per_token * graphs + loss_chunk_bytes(p, chunk, micro_tokens)
+    if cfg.full_backprop and k_max > 1:  # kept: hidden states, keys/values (+ logits); one block's insides
+        activations = (full_backprop_bytes(p, micro_tokens, cfg.backprop_chunk, 2, chunk)
+                       + loss_chunk_bytes(p, chunk, micro_tokens))
     # what both levers would keep (--activation-checkpointing, --loss-chunk at the run's or 4,096 positions)
     lever_chunk = chunk or 4096
     with_levers = (micro_tokens * activation_bytes_per_token(p, 2, True, gpu_attention=True, loss_chunk=lever_chunk)
                    * graphs + loss_chunk_bytes(p, lever_chunk, micro_tokens))
+    if cfg.full_backprop and k_max > 1:  # its blocks are recomputed already: only --loss-chunk is a lever
+        with_levers = (full_backprop_bytes(p, micro_tokens, cfg.backprop_chunk, 2, lever_chunk)
+                       + loss_chunk_bytes(p, lever_chunk, micro_tokens))
     static = sum(states.values())
     fits = None  # the smallest --grad-accum whose activations (with the run's options) fit in 90% of the device
     per_row = per_token * cfg.seq_len * graphs
+    if cfg.full_backprop and k_max > 1:
+        per_row = full_backprop_bytes(p, cfg.seq_len, cfg.backprop_chunk, 2, chunk)
     rows = cfg.batch_size // world_size
     for accum in (a for a in range(1, rows + 1) if rows % a == 0):
         micro = rows // accum * cfg.seq_len
@@ -153,12 +185,15 @@ def make_plan(cfg: TrainConfig, world_size: int = 1, gpu: str = "h200", mfu: flo
     peak = GPU_PEAK_BF16[gpu]
     seconds = total_flops / (world_size * peak * mfu)
     token_pass = None
-    if cfg.exact_states:  # the token-by-token pass is latency-bound: T dependent steps per micro-batch
+    if cfg.exact_states or cfg.full_backprop:  # the token-by-token pass is latency-bound: T dependent steps
         fed = sum(n for k, n in hist.items() if k > 1)
         sequential = fed * cfg.grad_accum * cfg.seq_len
-        latency = sequential * p["layers"] * TOKEN_STEP_LAYER_SECONDS
+        # --full-backprop: the forward's steps, their recomputation and their backward, one token after another
+        sweeps = (1 + (cfg.backprop_chunk > 0) + TOKEN_STEP_BACKWARD_FACTOR) if cfg.full_backprop else 1
+        latency = sequential * p["layers"] * TOKEN_STEP_LAYER_SECONDS * sweeps
         token_pass = {"fed_back_steps": fed, "sequential_token_steps": sequential,
-                      "assumed_seconds_per_layer_step": TOKEN_STEP_LAYER_SECONDS, "latency_seconds": latency}
+                      "assumed_seconds_per_layer_step": TOKEN_STEP_LAYER_SECONDS, "layer_step_sweeps": sweeps,
+                      "mode": "full_backprop" if cfg.full_backprop else "exact_states", "latency_seconds": latency}
         seconds += latency
     return {
         "model": p, "tokens_per_step": tokens_per_step, "steps": cfg.steps, "tokens": tokens_per_step * cfg.steps,
@@ -217,7 +252,15 @@ def format_plan(plan: dict) -> str:
         f"{_duration(plan['seconds'])}",
     ]
     tok = plan.get("exact_states_pass")
-    if tok:
+    if tok and tok["mode"] == "full_backprop":
+        lines.append(f"--full-backprop: the recurrence with gradient is {tok['sequential_token_steps']:,} dependent "
+                     f"token steps of {m['layers']} layers over the run ({tok['fed_back_steps']:,} fed-back steps x "
+                     f"micro-batches x row length), each run {tok['layer_step_sweeps']:g} times over (forward, "
+                     "recomputation, backward at an assumed twice a forward): latency-bound, not FLOP-bound; at an "
+                     f"assumed {tok['assumed_seconds_per_layer_step'] * 1e3:.2f} ms per layer and forward step (eager "
+                     f"PyTorch at small batch: kernel launches; not measured) it adds {_duration(tok['latency_seconds'])}"
+                     ", included in the time above")
+    elif tok:
         lines.append(f"--exact-states: the token-by-token pass is {tok['sequential_token_steps']:,} dependent token "
                      f"steps of {m['layers']} layers over the run ({tok['fed_back_steps']:,} fed-back steps x "
                      "micro-batches x row length): latency-bound, not FLOP-bound; at an assumed "
