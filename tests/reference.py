@@ -83,6 +83,21 @@ def recurrence_logits(model, ids: torch.Tensor, state_hook=None, mask: torch.Ten
     return torch.cat(logits, dim=1)
 
 
+def recurrence_states(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The recurrence's final hidden states (with the graph, for gradient references): position t's input is
+    ``fusion(h_{t-1}, e_t)`` where ``mask`` (batch x T) allows, each h recomputed from scratch on the inputs so far."""
+    e = model.backbone.get_input_embeddings()(ids)
+    inputs, states = [], []
+    for t in range(ids.shape[1]):
+        u = e[:, t:t + 1]
+        if states:
+            u = torch.where(mask[:, t:t + 1, None], fuse(model, states[-1], u), u)
+        inputs.append(u)
+        h, _ = _final(model, torch.cat(inputs, 1))
+        states.append(h[:, -1:])
+    return torch.cat(states, 1)
+
+
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> float:
     """Mean next-token cross-entropy over every position of every row."""
     return float(F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten()))

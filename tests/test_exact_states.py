@@ -27,16 +27,7 @@ def shift(h: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def exact_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The recurrence's final states, each position recomputed from scratch on the inputs fused so far."""
-    e = model.backbone.get_input_embeddings().weight[ids]
-    inputs, states = [], []
-    for t in range(ids.shape[1]):
-        u = e[:, t:t + 1]
-        if states:
-            u = torch.where(mask[:, t:t + 1, None], R.fuse(model, states[-1], u), u)
-        inputs.append(u)
-        h, _ = R._final(model, torch.cat(inputs, 1))
-        states.append(h[:, -1:])
-    return torch.cat(states, 1)
+    return R.recurrence_states(model, ids, mask)
 
 
 def reference_step(model, ids: torch.Tensor, n: int, mask: torch.Tensor):

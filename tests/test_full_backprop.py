@@ -41,16 +41,7 @@ def reference_ce_sum(model, ids: torch.Tensor, mask: torch.Tensor):
     """Summed next-token cross-entropy of the recurrence over unpadded rows ``ids`` (with the graph) and the count:
     position t's input is ``fusion(h_{t-1}, e_t)`` where ``mask`` allows, h recomputed from scratch on the inputs
     so far."""
-    e = model.backbone.get_input_embeddings()(ids)
-    inputs, states = [], []
-    for t in range(ids.shape[1]):
-        u = e[:, t:t + 1]
-        if states:
-            u = torch.where(mask[:, t:t + 1, None], R.fuse(model, states[-1], u), u)
-        inputs.append(u)
-        h, _ = R._final(model, torch.cat(inputs, 1))
-        states.append(h[:, -1:])
-    logits = model.backbone.get_output_embeddings()(torch.cat(states, 1))
+    logits = model.backbone.get_output_embeddings()(R.recurrence_states(model, ids, mask))
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
     return ce, ids[:, 1:].numel()
 
