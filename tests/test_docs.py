@@ -5,6 +5,7 @@ Tutorial pages (docs/guides/*.md, see mkdocs.yml): every fenced ``bash`` block i
 lines (or ``<!-- tiny: skip: REASON -->``); each tiny command has the program and sub-command of a command of its
 block (pairwise when there are as many as commands), and runs from the repository root with ``$TMP`` one fresh
 directory per page, in page order (``bash``, ``OMP_NUM_THREADS=1``, the Hugging Face hub offline, a timeout each).
+The Python API page's ``python`` blocks run in page order on a tiny Llama.
 """
 
 from __future__ import annotations
@@ -369,3 +370,37 @@ def test_mkdocs_build_strict(tmp_path):
              env=dict(os.environ, NO_MKDOCS_2_WARNING="1"), timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert (tmp_path / "site" / "reference" / "cli" / "index.html").exists()
+
+
+# ---- (f) the Python API page's examples
+
+
+def test_python_api_examples_run(tmp_path, monkeypatch):
+    """Every ``python`` block of docs/guides/python-api.md runs, in page order in one namespace, on a tiny Llama saved
+    where the page says ``path/to/local/llama``; the names the page leaves to the reader (``input_ids``,
+    ``training_args``, ``ds``) are given tiny values first, and the page's own checks are asserted after it ran."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from conftest import Rows
+
+    page = open(os.path.join(ROOT, "docs", "guides", "python-api.md"), encoding="utf-8").read()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
+    assert len(blocks) >= 3, "python-api.md lost its examples"
+    torch.manual_seed(0)
+    llama = str(tmp_path / "llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+                     ).save_pretrained(llama)
+    ids = torch.randint(1, 64, (4, 12))
+    monkeypatch.chdir(tmp_path)  # the page saves "fbt" into the working directory
+    namespace = {"input_ids": ids[:1], "ds": Rows(ids),
+                 "training_args": TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2,
+                                                    per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                                                    save_strategy="no", logging_steps=1)}
+    for block in blocks:
+        exec(compile(block.replace("path/to/local/llama", llama), "python-api.md", "exec"), namespace)
+    assert namespace["out"].loss is not None and len(namespace["out"].pass_losses) == 2
+    assert namespace["exact"].logits.shape[:2] == ids[:1].shape
+    assert namespace["ids"].shape[1] == ids.shape[1] + 64  # generate(): the prompt + max_new_tokens (no EOS set)
+    assert namespace["trainer"].state.global_step == 2
