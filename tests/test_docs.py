@@ -163,6 +163,8 @@ def test_readme_without_markers_is_left_alone(tmp_path, monkeypatch):
 
 
 def test_import_trims_and_writes_meta(tmp_path, monkeypatch):
+    if _run("git", "rev-parse", "--verify", "HEAD").returncode != 0:
+        pytest.skip("not a git checkout (--import records a commit of this repository)")
     rt = _load("results_tables")
     results = _fake_tree(tmp_path, monkeypatch, rt, None)
     run = tmp_path / "run"
@@ -194,6 +196,20 @@ def test_import_trims_and_writes_meta(tmp_path, monkeypatch):
     assert rt.main(["--import", str(tmp_path / "nowhere"), "--name", "x", "--command", "c", "--commit", "HEAD"]) == 2
     assert rt.main(["--import", str(run), "--name", "y", "--command", "c", "--commit", "0" * 40]) == 2
     assert not (results / "x").exists() and not (results / "y").exists()
+
+
+def test_staleness_unknown_keeps_the_committed_banner(monkeypatch):
+    """Where git cannot say (an exported tree, a shallow clone without the run's commit), the committed page's banner
+    is kept, so --check compares the tables; with no committed page the error stands."""
+    rt = _load("results_tables")
+
+    def no_history(meta):
+        raise rt.Refused("git diff failed (bad object)")
+
+    monkeypatch.setattr(rt, "changed_sources", no_history)
+    assert rt.is_stale({}, "x STALE y") is True and rt.is_stale({}, "fresh") is False
+    with pytest.raises(rt.Refused):
+        rt.is_stale({})
 
 
 # ---- (c) the STALE banner, on a throwaway git repository
