@@ -1,7 +1,9 @@
 """``fullband data``: the command line of prepared data (:mod:`fullband.data.prepare`).
 
 Owns the ``data`` command group: ``data prepare SRC --out DIR`` (a thin wrapper: flags -> :func:`prepare`, the
-one-line result or ``--json``) and ``data bench`` (registered from :mod:`fullband.commands.data_bench`).
+one-line result or ``--json``), ``data make-programs --out DIR`` (the Feedback Transformer's algorithmic task as
+labelled jsonl files: flags -> :func:`fullband.eval.program_tasks.write_program_files`) and ``data bench``
+(registered from :mod:`fullband.commands.data_bench`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 
 from ..data.labelled import is_labelled_file
 from ..data.prepare import prepare
+from ..eval.program_tasks import VARIABLES, write_program_files
 from . import labelled
 from .data_bench import add_bench_parser
 
@@ -18,7 +21,9 @@ from .data_bench import add_bench_parser
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="prepare data of any size into memory-mapped token shards (`data prepare`)",
                        description="Prepared data: `fullband data prepare SRC --out DIR` tokenizes a corpus once into "
-                                   "token shards that `fullband train --data DIR` memory-maps.")
+                                   "token shards that `fullband train --data DIR` memory-maps; `fullband data "
+                                   "make-programs --out DIR` writes the Feedback Transformer's algorithmic task as "
+                                   "labelled jsonl.")
     group = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda args: p.print_help() or 0)
     q = group.add_parser(
@@ -54,7 +59,54 @@ def add_parser(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the manifest and this run's throughput as JSON")
     q.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)  # tests: a killed run
     q.set_defaults(func=run_prepare)
+    add_programs_parser(group)
     add_bench_parser(group)
+
+
+def add_programs_parser(group) -> None:
+    q = group.add_parser(
+        "make-programs", help="write the Feedback Transformer's algorithmic task as labelled jsonl (train / test)",
+        description="Programs of N statements over --vars variables (x y z u v) with values 1..10: assignments "
+                    "`x = 5 ;`, `x ++ ;` / `x -- ;` (wrapping: 10 ++ is 1, 1 -- is 10), conditionals "
+                    "`if x == 4 : y ++ ;` and prints `print x 4 ;`. Each program opens with one assignment per "
+                    "variable and ends with a print; the target is the printed value, at the position of the "
+                    "variable after `print` (the value is the next input). Writes DIR/train.jsonl, DIR/test.jsonl "
+                    "(no test program is a training program) and DIR/programs.json, all at once or none, for "
+                    "`fullband train --data DIR/train.jsonl` and `fullband eval labelled MODEL --data "
+                    "DIR/test.jsonl`. Seeded: the same command writes the same files.")
+    q.add_argument("--out", required=True, metavar="DIR", help="directory of the files")
+    q.add_argument("--vars", type=int, default=3, metavar="V",
+                   help=f"variables, 1..{len(VARIABLES)} (the paper: 3 and 5; default: 3)")
+    q.add_argument("--statements", type=int, default=100, metavar="N",
+                   help="statements per training program, the opening assignments included (default: 100)")
+    q.add_argument("--rows", type=int, required=True, metavar="N", help="training programs")
+    q.add_argument("--test-rows", type=int, default=1000, metavar="M", help="held-out programs (default: 1000)")
+    q.add_argument("--test-statements", type=int, default=None, metavar="N",
+                   help="statements per test program (default: --statements; more tests beyond the training length)")
+    q.add_argument("--print-fraction", type=float, default=0.2, metavar="X",
+                   help="probability that a statement after the opening assignments is a print; the others are "
+                        "=, ++, -- and if with equal probability; the last is always a print (default: 0.2)")
+    q.add_argument("--if-true", type=float, default=0.5, metavar="X",
+                   help="probability that a conditional's test holds (default: 0.5)")
+    q.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the programs (default: 0)")
+    q.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in DIR")
+    q.add_argument("--json", action="store_true", help="print DIR/programs.json (settings and counts)")
+    q.set_defaults(func=run_make_programs)
+
+
+def run_make_programs(args) -> int:
+    info = write_program_files(args.out, args.vars, args.statements, args.rows, args.test_rows, seed=args.seed,
+                               test_statements=args.test_statements, print_fraction=args.print_fraction,
+                               if_true=args.if_true, overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    tr, te = info["splits"]["train"], info["splits"]["test"]
+    print(f"fullband data make-programs: {tr['rows']:,} training programs of {tr['statements']} statements "
+          f"({tr['targets']:,} printed values, longest {tr['max_length']} inputs), {te['rows']:,} test programs of "
+          f"{te['statements']} ({te['targets']:,}, longest {te['max_length']}) over {' '.join(info['variables'])}; "
+          f"{args.out}/train.jsonl, test.jsonl (train with --seq-len >= {tr['max_length'] + 2})")
+    return 0
 
 
 def run_prepare(args) -> int:
