@@ -125,8 +125,8 @@ def flops_matched_steps(fbt_cfg) -> int:
     gradient at a third; rounded up). ``--pass-tol`` may stop passes early: this is then an upper bound."""
     sched = fbt_cfg.schedule()
     return math.ceil(sum(plain_step_equivalents(sched.passes_at(i, fbt_cfg.steps), fbt_cfg.grad_passes,
-                                                fbt_cfg.exact_states, getattr(fbt_cfg, "full_backprop", False),
-                                                getattr(fbt_cfg, "backprop_chunk", 0))
+                                                fbt_cfg.exact_states, fbt_cfg.full_backprop,
+                                                fbt_cfg.backprop_chunk)
                          for i in range(fbt_cfg.steps)) - 1e-9)
 
 

@@ -143,7 +143,7 @@ class TrainConfig:
         ``pass_tol``; with ``--exact-states``, ``exact_states`` instead: the N gradient passes are then the
         forward's ``num_passes``, :meth:`step_passes`; with ``--full-backprop``, ``full_backprop`` and
         ``backprop_chunk``: the recurrence is then the forward's one pass)."""
-        if getattr(self, "full_backprop", False):
+        if self.full_backprop:
             return {"full_backprop": True, "backprop_chunk": self.backprop_chunk}
         if self.exact_states:
             return {"exact_states": True}
@@ -153,14 +153,14 @@ class TrainConfig:
         """The periodic evaluation's fed-back mode and its label: ``("passes", K)``, or with ``--exact-states``
         (trained on the exact recurrence, never on K teacher-forced passes from a plain start) ``("exact",
         "exact")``."""
-        exact = self.exact_states or getattr(self, "full_backprop", False)
+        exact = self.exact_states or self.full_backprop
         return ("exact", "exact") if exact else ("passes", self.num_passes)
 
     def step_passes(self, num_passes: int) -> int:
         """The forward's ``num_passes`` on a step whose schedule says K = ``num_passes``: K itself, or with
         ``--exact-states`` on a fed-back step (K > 1) the ``--grad-passes`` N gradient passes after the exact
         states; with ``--full-backprop``, 1: the recurrence with gradient is one pass."""
-        if getattr(self, "full_backprop", False) and num_passes > 1:
+        if self.full_backprop and num_passes > 1:
             return 1
         return self.grad_passes if self.exact_states and num_passes > 1 else num_passes
 
