@@ -269,7 +269,7 @@ def _write_atomic(path: str, text: str) -> None:
 def out_of_date() -> list[str]:
     stale = []
     for path, text in expected().items():
-        current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+        current = _read(path)
         if current != text:
             stale.append(os.path.relpath(path, ROOT))
     return stale
@@ -278,7 +278,7 @@ def out_of_date() -> list[str]:
 def write_all() -> list[str]:
     written = []
     for path, text in expected().items():
-        current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+        current = _read(path)
         if current == text:
             continue
         if text is None:
