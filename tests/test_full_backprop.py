@@ -244,8 +244,11 @@ def test_full_backprop_refuses_what_it_cannot_take():
             TrainConfig(out="x", full_backprop=True, **extra).validate()
     with pytest.raises(ValueError, match="FSDP2"):
         TrainConfig(out="x", full_backprop=True, parallel="fsdp").validate(world_size=2)
-    with pytest.raises(ValueError, match="Hugging Face Trainer"):  # PassSchedule has no such option: not dropped
-        PassSchedule.from_train_config(TrainConfig(out="x", full_backprop=True))
+    assert PassSchedule.from_train_config(TrainConfig(out="x", full_backprop=True, backprop_chunk=5)).forward_options(
+        2) == {"full_backprop": True, "backprop_chunk": 5}  # carried into the Trainer's schedule, not dropped
+    for extra in ({"exact_states": True, "grad_passes": 2}, {"grad_passes": 2}, {"backprop_chunk": -1}):
+        with pytest.raises(ValueError):
+            PassSchedule(full_backprop=True, **extra)
 
 
 def test_train_cli_runs_full_backprop_and_logs_it(tmp_path, data):

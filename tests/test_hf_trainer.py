@@ -107,6 +107,42 @@ def test_trainer_takes_the_exact_states(tmp_path):
     assert float(loss) == pytest.approx(float(passes.mean()), rel=1e-6)
 
 
+def test_trainer_takes_full_backprop(tmp_path):
+    """``PassSchedule(full_backprop=True, backprop_chunk=5)``: a fed-back step through ``Trainer`` backpropagates
+    through the whole recurrence in blocks of 5, as the engine's step with those options does (same loss, one pass
+    loss, same weights after the step) -- with HF's own activation checkpointing on, which the blocks switch off
+    inside (else the layers would drop their cache and attend to the current token only)."""
+    sched = PassSchedule(feedback_start=0.0, num_passes=2, deep_fraction=0.0, prefix_mix=0.0, feedback_ramp=0.0,
+                         fusion_lr_mult=10.0, reset_fusion=False, full_backprop=True, backprop_chunk=5)
+    assert sched.forward_options(2) == {"full_backprop": True, "backprop_chunk": 5} and sched.forward_options(1) == {}
+    assert TrainConfig.step_passes(sched, 2) == 1 and TrainConfig.step_passes(sched, 1) == 1
+    ids = random_ids(1, 23, seed=11)
+    ids[0, 9] = 1  # a second document: the recurrence restarts there
+    model = tiny_model(fusion="residual", jitter=0.0)
+    with torch.no_grad():
+        model.feedback.out_norm.weight.fill_(0.5)
+    reference = copy.deepcopy(model)
+    trainer = FullBandwidthTrainer(model=model, args=trainer_args(tmp_path, 1, activation_checkpointing=True,
+                                                                   activation_checkpointing_kwargs={"use_reentrant": False}),
+                                   train_dataset=Rows(ids), pass_schedule=sched)
+    mask = trainer.feedback_mask(model, {"input_ids": ids}, step=0, micro=0)
+    trainer.train()
+    assert all(layer.gradient_checkpointing for layer in model.backbone.model.layers)  # HF's checkpointing was on
+    cfg = TrainConfig(out="x", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, fusion_lr_mult=10.0)
+    reference.train()
+    opt = build_optimizer(reference, cfg, torch.device("cpu"))
+    set_learning_rates(opt, 1e-3, 1e-3)
+    loss, passes = forward_backward(reference, [{"input_ids": ids, "labels": ids, "feedback_mask": mask}], 1,
+                                    contextlib.nullcontext, full_backprop=True, backprop_chunk=5)
+    opt.step()
+    logged = trainer.state.log_history[0]
+    assert passes.shape == (1,) and logged["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert logged["loss_pass1"] == pytest.approx(float(passes[0]), rel=1e-5) and "loss_pass2" not in logged
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(model.feedback.value_proj.weight, tiny_model(fusion="residual").feedback.value_proj.weight)
+
+
 def test_trainer_logs_the_pass_schedule(tmp_path):
     """Four steps, feedback from the middle with a deep step: the logged K per step is the schedule's, and each
     logged loss is L_1 + λ·mean(L_2..L_K). Bug caught: a trainer stuck at K=1 (``forward`` defaults to one pass)."""

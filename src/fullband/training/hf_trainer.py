@@ -68,6 +68,8 @@ class PassSchedule:
     clip_per_group: bool = _DEFAULTS.clip_per_group  # max_grad_norm clips backbone and fusion apart
     grad_passes: int = _DEFAULTS.grad_passes  # long recurrences: only the last N passes backpropagate (0: all)
     exact_states: bool = _DEFAULTS.exact_states  # fed-back steps: the exact states, then grad_passes gradient passes
+    full_backprop: bool = _DEFAULTS.full_backprop  # fed-back steps: the exact recurrence, gradient through all of it
+    backprop_chunk: int = _DEFAULTS.backprop_chunk  # full_backprop: blocks of this many tokens, recomputed
     pass_tol: float = _DEFAULTS.pass_tol  # skip the remaining no-gradient passes once the states stop changing
     loss_chunk: int = _DEFAULTS.loss_chunk  # the LM loss over chunks of N positions (no full logits kept)
     z_loss: float = _DEFAULTS.z_loss  # PaLM's z-loss coefficient (0: off)
@@ -89,6 +91,11 @@ class PassSchedule:
         if self.exact_states and (self.grad_passes < 1 or self.pass_tol):
             raise ValueError("exact_states needs grad_passes >= 1 (the gradient passes run from the exact states) "
                              "and no pass_tol")
+        if self.backprop_chunk < 0:
+            raise ValueError(f"backprop_chunk must be >= 0 tokens (0: no recomputation), got {self.backprop_chunk}")
+        if self.full_backprop and (self.exact_states or self.grad_passes or self.pass_tol):
+            raise ValueError("full_backprop backpropagates through the whole recurrence: exact_states, grad_passes "
+                             "and pass_tol (options of the K passes) do not apply; leave them off")
 
     def forward_options(self, num_passes: int) -> dict:
         """The K-pass forward's options of a step of ``num_passes`` passes, as ``fullband train`` passes them
@@ -101,9 +108,6 @@ class PassSchedule:
     @classmethod
     def from_train_config(cls, cfg: TrainConfig, **overrides) -> "PassSchedule":
         """The schedule ``fullband train`` would run with ``cfg``: every field of ``cfg`` that is one of these."""
-        if cfg.full_backprop:  # not a PassSchedule option: dropped here, the run would train K passes instead
-            raise ValueError("full_backprop (--full-backprop) is not wired into the Hugging Face Trainer: train it "
-                             "with `fullband train`, or use exact_states")
         names = {f.name for f in dataclasses.fields(cls)} & set(TrainConfig.field_names())
         return cls(**{**{n: getattr(cfg, n) for n in names}, **overrides})
 
