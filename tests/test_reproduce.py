@@ -95,3 +95,33 @@ def test_provenance_names_the_checkout(tmp_path):
     assert provenance_line(p).startswith(f"Produced by `fullband experiment reasoning --out 'a b'` at commit "
                                          f"{head.stdout.strip()[:12]}")
     assert source_checkout(str(tmp_path)) == {"git_commit": None, "git_dirty": None}  # not a checkout
+
+
+def test_provenance_names_the_commit_a_run_started_from(tmp_path):
+    """A run that outlives a commit: after :func:`note_start`, the provenance names the commit and dirtiness the run
+    started from and says what the checkout was at its end (a throwaway repository, committed to mid-run); with no
+    change in between, no ``checkout_at_end``. Bug caught: the commit read when the results are written."""
+    from fullband.utils import provenance as prov  # noqa: PLC0415
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    first = git("rev-parse", "HEAD")
+    repo = str(tmp_path)
+    prov.note_start(repo)
+    assert "checkout_at_end" not in prov.provenance(["fullband"], path=repo)
+    (tmp_path / "a.py").write_text("x = 2\n")  # edited while the run goes on ...
+    mid = prov.provenance(["fullband"], path=repo)
+    assert (mid["git_commit"], mid["git_dirty"]) == (first, False)
+    assert mid["checkout_at_end"] == {"git_commit": first, "git_dirty": True}
+    git("commit", "-qam", "two")  # ... and committed
+    p = prov.provenance(["fullband", "experiment", "depth"], path=repo)
+    assert (p["git_commit"], p["git_dirty"]) == (first, False)
+    assert p["checkout_at_end"] == {"git_commit": git("rev-parse", "HEAD"), "git_dirty": False} != first
+    assert f"at commit {first[:12]} (the checkout changed while it ran: at its end commit " in prov.provenance_line(p)
+    prov._AT_START.pop(repo)

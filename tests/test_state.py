@@ -535,3 +535,28 @@ def test_the_linear_cost_arm_trains_the_exact_states_and_its_control_is_matched_
     assert runs["baseline-L-flops"]["steps"] == math.ceil(want / plain_step)
     model = load_any_model(str(out / "seed0" / "runs" / "fbt-L-glu-x2"))[0].eval()
     assert model.config.fusion == "glu"
+
+
+def test_the_full_backprop_arm_trains_through_the_recurrence_and_its_control_is_matched_by_hand(tmp_path):
+    """``fbt-L-glu-fb`` (``--full-backprop --backprop-chunk 8``): every step runs the recurrence once with gradient
+    (one pass loss, logged so), its training FLOPs are the count written here from the model's shape (one fused
+    pass with gradient, plus its forward recomputed in the backward: a fused forward with the LM head), and the
+    FLOP-matched plain control gets the fewest steps that reach them."""
+    out = tmp_path / "fb"
+    arms = "baseline-L,fbt-L-glu-fb,baseline-L-flops"
+    assert cli.main(["experiment", "state", "--quick", "--no-cost", "--out", str(out), "--json", "--arms", arms]) == 0
+    res = json.loads((out / "results.json").read_text())
+    s = res["settings"]
+    recs = [json.loads(line) for line in open(out / "seed0" / "runs" / "fbt-L-glu-fb" / "metrics.jsonl")]
+    train = [r for r in recs if r.get("split") == "train"]
+    assert len(train) == s["steps"] and all(r["full_backprop"] and len(r["pass_losses"]) == 1 for r in train)
+    L, d, V, seq = s["layers"], s["hidden"], len(state_tokenizer()), s["length"] + 2
+    weights = L * (4 * d * d + 6 * d * d + 2 * d) + d + V * d
+    fusion = 2 * d * d + d
+    per_pass = 6 * weights + 6 * L * seq * d
+    recompute = 2 * weights + 2 * L * seq * d + 2 * fusion
+    want = s["steps"] * s["batch_size"] * seq * (per_pass + 6 * fusion + recompute)
+    runs = res["runs"]
+    assert runs["fbt-L-glu-fb"]["train_flops"] == pytest.approx(want, rel=1e-9)
+    assert runs["baseline-L-flops"]["steps"] == math.ceil(want / (s["batch_size"] * seq * per_pass))
+    assert load_any_model(str(out / "seed0" / "runs" / "fbt-L-glu-fb"))[0].config.fusion == "glu"

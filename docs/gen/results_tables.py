@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from fullband.experiments import quickstart, quickstart_state, state_report
+from fullband.experiments import data_efficiency, depth, quickstart, quickstart_state, reasoning_report, state_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "docs", "results")
@@ -67,8 +67,23 @@ def _render_quickstart(res: dict) -> str:
                         quickstart._targets_text(res["targets"])])
 
 
+def _render_depth(res: dict) -> str:
+    return depth.tables(res)
+
+
+def _render_data_efficiency(res: dict) -> str:
+    return data_efficiency.data_efficiency_tables(res)
+
+
+def _render_reasoning(res: dict) -> str:
+    return reasoning_report.tables(res, full=True)
+
+
 # renderer -> (function, the module whose import closure produced the numbers, results keys no table reads)
 RENDERERS = {
+    "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
+    "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ("rows",)),
+    "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
     "state": (_render_state, "fullband.experiments.state", ("per_seed",)),
     "quickstart-state": (_render_quickstart_state, "fullband.experiments.quickstart_state", ("per_seed",)),
     "quickstart": (_render_quickstart, "fullband.experiments.quickstart", ("samples", "running_state.rows",
@@ -331,6 +346,11 @@ def import_run(src: str, name: str, command: str, commit: str, commit_note: str 
         if commit_note is None and prov.get("git_dirty") is not None:
             commit_note = ("from results.json's provenance; the checkout's tracked files were "
                            + ("modified" if prov["git_dirty"] else "unmodified"))
+            end = prov.get("checkout_at_end")
+            if isinstance(end, dict):
+                commit_note += (f"; the checkout changed while it ran (at its end: commit "
+                                f"{str(end.get('git_commit'))[:12]}, tracked files "
+                                + ("modified" if end.get("git_dirty") else "unmodified") + ")")
     if not command or not commit:
         raise Refused("--import needs --command and --commit (this results.json records no provenance)")
     renderer = _renderer_for(name, res, renderer)

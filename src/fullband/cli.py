@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from . import __version__
+from .utils import provenance
 from .utils.errors import UsageError
 
 # sub-command modules, in the order `fullband --help` lists them
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0
+    provenance.note_start()  # a result's provenance names the commit its run started from
     try:
         return int(args.func(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:

@@ -204,7 +204,9 @@ def _ci(d: dict | None, digits: int = 2) -> str:
 
 
 def tables(res: dict) -> str:
-    ks = sorted({t["k"] for t in res["test"]})
+    """The report's tables, read from ``res["table"]`` and the analyses only (not the per-problem ``test``/``runs``,
+    so that a trimmed results file renders them too)."""
+    ks = sorted({int(k) for r in res["table"] for k in r["acc"]})
     refs = [(key, name) for key, name in REFS if name in res["arms"]]
     out = []
     for task in dict.fromkeys(r["task"] for r in res["table"]):

@@ -103,7 +103,8 @@ from .synthetic import (
 
 LONG = dict(feedback_start=0.0, deep_fraction=0.0, prefix_mix=0.0)  # the long recurrence from the first step
 ARM_NAMES = ("baseline-L", "baseline-2L", "baseline-4L", "fbt-L", "fbt-L-glu", FLOPS_ARM, EPOCHS_ARM,
-             "fbt-L-glu-g2", "fbt-L-glu-g1", "fbt-L-glu-tol", "fbt-L-glu-cur", "fbt-L-glu-x2", "fbt-L-x2")
+             "fbt-L-glu-g2", "fbt-L-glu-g1", "fbt-L-glu-tol", "fbt-L-glu-cur", "fbt-L-glu-x2", "fbt-L-x2",
+             "fbt-L-glu-fb", "fbt-L-fb")
 DEFAULT_ARMS = ARM_NAMES[:7]
 FBT_MODES = (("standard", "standard", 1), ("K=2", "passes", 2), ("exact", "exact", None))
 MULTIPLES = (1, 2, 4)
@@ -140,7 +141,13 @@ def make_arms(args) -> dict[str, Arm]:
                 "(--exact-states --grad-passes 2: linear in T)", 1,
                 dict(num_passes=2, exact_states=True, grad_passes=2, fusion="glu", **LONG)),
             Arm("fbt-L-x2", "L layers, residual entry, exact states + 2 gradient passes on every step", 1,
-                dict(num_passes=2, exact_states=True, grad_passes=2, **LONG))]
+                dict(num_passes=2, exact_states=True, grad_passes=2, **LONG)),
+            # full backpropagation through the token-by-token recurrence (blocks of 8 tokens recomputed)
+            Arm("fbt-L-glu-fb", "L layers, pure GLU, full backpropagation through the recurrence on every step "
+                "(--full-backprop --backprop-chunk 8: the last of K = T + 1 passes' gradient, linear in T)", 1,
+                dict(num_passes=2, full_backprop=True, backprop_chunk=8, fusion="glu", **LONG)),
+            Arm("fbt-L-fb", "L layers, residual entry, full backpropagation through the recurrence on every step", 1,
+                dict(num_passes=2, full_backprop=True, backprop_chunk=8, **LONG))]
     return {a.name: a for a in arms}
 
 

@@ -56,14 +56,30 @@ def package_version() -> str | None:
         return None
 
 
-def provenance(argv: list[str] | None = None) -> dict:
+_AT_START: dict[str | None, dict] = {}  # source_checkout(path) when the command started (note_start)
+
+
+def note_start(path: str | None = None) -> None:
+    """Take the checkout's commit and dirtiness now (``fullband``'s CLI does before it runs a command): a result's
+    provenance then names the code the run started from, not what HEAD or the working tree became while it ran
+    (an experiment of an hour outlives commits)."""
+    _AT_START[path] = source_checkout(path)
+
+
+def provenance(argv: list[str] | None = None, path: str | None = None) -> dict:
     """What produced a result: the command line (``argv``, default ``sys.argv`` as run), the package source's git
-    commit and dirtiness (:func:`source_checkout`), package / torch / Python versions, torch's CPU threads, the
-    platform and the UTC date."""
-    return {"command": list(sys.argv if argv is None else argv), **source_checkout(),
-            "package_version": package_version(), "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "platform": platform.platform(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    commit and dirtiness (:func:`source_checkout`; as they were when the command started, if :func:`note_start`
+    was called, with ``checkout_at_end`` added where they changed while it ran), package / torch / Python
+    versions, torch's CPU threads, the platform and the UTC date."""
+    now = source_checkout(path)
+    start = _AT_START.get(path, now)
+    out = {"command": list(sys.argv if argv is None else argv), **start,
+           "package_version": package_version(), "torch": torch.__version__, "python": platform.python_version(),
+           "threads": torch.get_num_threads(), "platform": platform.platform(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if now != start:
+        out["checkout_at_end"] = now
+    return out
 
 
 def provenance_line(p: dict) -> str:
@@ -74,6 +90,10 @@ def provenance_line(p: dict) -> str:
     commit = p.get("git_commit")
     where = (f"commit {commit[:12]}" + (" with uncommitted changes" if p.get("git_dirty") else "")) if commit \
         else "no git checkout"
+    end = p.get("checkout_at_end")
+    if isinstance(end, dict):
+        where += (f" (the checkout changed while it ran: at its end commit {str(end.get('git_commit'))[:12]}"
+                  + (" with uncommitted changes" if end.get("git_dirty") else "") + ")")
     return (f"Produced by `{shown}` at {where}, fullband {p.get('package_version')}, torch {p.get('torch')}, "
             f"{p.get('threads')} thread(s), {p.get('date')}.")
 
