@@ -37,8 +37,9 @@ class CorruptFusion(PretrainRecipe):
 
 def run(data, out, **kw):
     cfg = TrainConfig(out=str(out), preset="micro", steps=34, seed=0, data=data, vocab_size=300, seq_len=32,
-                      batch_size=4, progress=False, tensorboard=False, plot=False, feedback_start=0.0, jitter=0.0,
-                      num_passes=3, deep_fraction=0.0, prefix_mix=0.0, max_bad_steps=2, spike_factor=1.3, **kw)
+                      batch_size=4, progress=False, tensorboard=False, plot=False, jitter=0.0, num_passes=3,
+                      deep_fraction=0.0, prefix_mix=0.0, max_bad_steps=2, spike_factor=1.3,
+                      **({"feedback_start": 0.0} | kw))
     summary = run_recipe(CorruptFusion(cfg))
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("split") == "train"]
     return summary, rows
@@ -62,3 +63,16 @@ def test_the_watched_loss_is_the_mean_of_the_trained_passes():
     assert trained_loss([5.0, 7.0, 9.0], 3, 1) == 9.0
     assert trained_loss([5.0, 7.0], 2, 4) == pytest.approx(6.0)  # N >= K: all
     assert math.isnan(trained_loss([5.0, float("nan")], 2, 1))
+
+
+def test_the_running_loss_restarts_at_the_switch_on(data, tmp_path):
+    """Feedback switched on at step ``CORRUPT_AT`` (``--feedback-start``) with the fused input blown up there (what
+    a pure GLU entry does by design: its first fed-back steps sit far above the plain phase's loss). Judged against
+    the plain phase, that step would be a spike and the run would stop after 2 (the depth experiment's ``fbt-L-glu``
+    did, at the default size); the guard's running loss restarts at the switch-on instead, so the run finishes with
+    no step skipped. The same jump mid-feedback is still a spike (the test above)."""
+    summary, rows = run(data, tmp_path / "s", feedback_start=CORRUPT_AT / 34)
+    assert [r["num_passes"] for r in rows[CORRUPT_AT - 1:CORRUPT_AT + 1]] == [1, 3]  # the switch-on is that step
+    before, hit = rows[CORRUPT_AT - 1], rows[CORRUPT_AT]
+    assert trained_loss(hit["pass_losses"], 3) > 1.3 * before["pass_losses"][0]  # a jump the old guard skipped
+    assert summary["status"] == "done" and not any("skipped" in r for r in rows) and len(rows) == 34

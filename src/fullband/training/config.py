@@ -70,6 +70,7 @@ class TrainConfig:
     # ---- model
     preset: str = config_field("tiny", "backbone size from scratch: tiny (~3M), small (~25M), gpt2-small (~125M at a 50k vocabulary); micro (d64, tests)", group="model")
     tie_embeddings: bool | None = config_field(None, "tie the LM head to the input embeddings (one tensor) of a backbone built from --preset (default: the preset's choice, tied for gpt2-small and llama-1b); an --init-from checkpoint keeps its own tying, and asking to change it is refused", group="model")
+    layers: int | None = config_field(None, "decoder layers of a backbone built from --preset (default: the preset's own: micro 2, tiny 4, small 6; e.g. plain models of 2x and 4x an FBT's depth); not with --init-from", group="model")
     init_from: str | None = config_field(None, "local HF causal-LM checkpoint to retrofit (or a fullband model to continue) instead of a preset", group="model")
     fusion: str = config_field("residual", "fusion of h_{t-1} and e_t: residual (u = e + GLU(h, e), measured best), glu (paper), concat, add", group="model")
     feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K)", branch=True, group="model")
@@ -220,6 +221,9 @@ class TrainConfig:
              f"--batch-size {self.batch_size} must be divisible by processes x --grad-accum = {world_size} x {self.grad_accum}")
         if self.init_from is None:
             get_preset(self.preset)
+        need(self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
+        need(self.layers is None or self.init_from is None, "--layers shapes a backbone built from --preset: an "
+             "--init-from checkpoint keeps its own layers")
         check_fusion_name(self.fusion)
         need(self.feedback_weight >= 0, f"--feedback-weight must be >= 0, got {self.feedback_weight}")
         need(self.jitter >= 0, f"--jitter must be >= 0, got {self.jitter}")

@@ -318,6 +318,8 @@ class Trainer:
         K = self.sched.passes_at(step, cfg.steps)
         if self.recipe.fresh_fusion and step == self.fb_start:
             D.unwrap(model).reset_feedback(torch.Generator().manual_seed(cfg.seed * 31 + 7))
+        if step == self.fb_start > 0 and cfg.feedback_ever:
+            guard.restart()  # the switch-on changes what the guard watches: its running loss restarts here
         lr = lr_at(step, cfg)
         set_learning_rates(optimizer, lr, lr * self.switch_on.fusion_lr_factor(step, self.fb_start, cfg.steps))
         frozen = self.switch_on.backbone_frozen(step, self.fb_start, cfg.steps)

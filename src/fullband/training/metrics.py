@@ -137,6 +137,14 @@ class Guard:
         self.bad_in_row += 1
         self.skipped += 1
 
+    def restart(self) -> None:
+        """Forget the running loss (it re-warms over ``warmup`` good steps, non-finite steps still skipped): at the
+        feedback switch-on the watched loss changes regime by design -- a pure GLU entry replaces the token's input
+        by a fusion just built, so its first fed-back steps sit far above the plain phase's loss without anything
+        having gone wrong, and judged against the plain phase they would read as spikes and stop the run."""
+        self.ema = None
+        self.good_steps = 0
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

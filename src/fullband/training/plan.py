@@ -53,7 +53,7 @@ def _backbone_config(cfg: TrainConfig):
     if cfg.tokenizer is not None:
         vocab = len(load_tokenizer(cfg.tokenizer))
     return backbone_config(cfg.preset, vocab, max_position_embeddings=max(2048, cfg.seq_len),
-                           tie_word_embeddings=cfg.tie_embeddings)
+                           tie_word_embeddings=cfg.tie_embeddings, num_hidden_layers=cfg.layers)
 
 
 def count_parameters(cfg: TrainConfig) -> dict:

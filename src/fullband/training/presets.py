@@ -56,16 +56,18 @@ def get_preset(name: str) -> Preset:
 
 def backbone_config(name: str, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: int | None = None,
                     pad_token_id: int | None = None, max_position_embeddings: int = 2048,
-                    tie_word_embeddings: bool | None = None):
-    """The ``LlamaConfig`` of preset ``name`` for a tokenizer of ``vocab_size`` entries (``tie_word_embeddings``:
-    ``None`` = the preset's choice)."""
+                    tie_word_embeddings: bool | None = None, num_hidden_layers: int | None = None):
+    """The ``LlamaConfig`` of preset ``name`` for a tokenizer of ``vocab_size`` entries (``tie_word_embeddings``,
+    ``num_hidden_layers``: ``None`` = the preset's choice)."""
     p = get_preset(name)
+    if num_hidden_layers is not None and num_hidden_layers < 1:
+        raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+        num_hidden_layers=num_hidden_layers or p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads, max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, attention_dropout=0.0,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,

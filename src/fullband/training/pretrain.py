@@ -103,7 +103,8 @@ def build_model(cfg: TrainConfig, tokenizer):
                              "give the checkpoint's own tokenizer with --tokenizer")
     else:
         config = backbone_config(cfg.preset, len(tokenizer), bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-                                 max_position_embeddings=max(2048, cfg.seq_len), tie_word_embeddings=cfg.tie_embeddings)
+                                 max_position_embeddings=max(2048, cfg.seq_len), tie_word_embeddings=cfg.tie_embeddings,
+                                 num_hidden_layers=cfg.layers)
         backbone = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = FullBandwidthForCausalLM.from_backbone(backbone, fusion=cfg.fusion, doc_start_token_id=bos, **feedback)
     return model.float()
