@@ -82,7 +82,7 @@ def _render_reasoning(res: dict) -> str:
 # renderer -> (function, the module whose import closure produced the numbers, results keys no table reads)
 RENDERERS = {
     "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
-    "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ("rows",)),
+    "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ()),
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
     "state": (_render_state, "fullband.experiments.state", ("per_seed",)),
     "quickstart-state": (_render_quickstart_state, "fullband.experiments.quickstart_state", ("per_seed",)),
@@ -330,7 +330,21 @@ def _renderer_for(name: str, res: dict, given: str | None) -> str:
     raise Refused(f"cannot tell which renderer reads this results.json: pass --renderer ({', '.join(RENDERERS)})")
 
 
-def import_run(src: str, name: str, command: str, commit: str, commit_note: str | None, renderer: str | None) -> str:
+def _parse_load(text: str | None) -> list[float] | None:
+    """``--load START,END`` (1-minute load averages read at the run's start and end), for results that lack them."""
+    if not text:
+        return None
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 2 or min(values) < 0:
+        raise Refused(f"--load {text!r}: two load averages START,END, e.g. 0.7,4.0")
+    return values
+
+
+def import_run(src: str, name: str, command: str, commit: str, commit_note: str | None, renderer: str | None,
+               load: str | None = None) -> str:
     path = os.path.join(src, "results.json")
     if not os.path.isfile(path):
         raise Refused(f"--import {src}: no results.json there")
@@ -371,7 +385,7 @@ def import_run(src: str, name: str, command: str, commit: str, commit_note: str 
         date, date_source = str(prov["date"]), "results.json's provenance"
     seeds = res.get("seeds", [res["seed"]] if "seed" in res else [])
     meta = {"name": name, "renderer": renderer, "command": command, "commit": resolve_commit(commit),
-            "commit_note": commit_note, "seeds": seeds, "load_average": res.get("load_average"),
+            "commit_note": commit_note, "seeds": seeds, "load_average": res.get("load_average") or _parse_load(load),
             "threads": res.get("threads"), "seconds": seconds,
             "date": date, "date_source": date_source,
             "torch": res.get("torch"), "platform": res.get("platform"),
@@ -412,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", help="--import: the exact command that produced the run")
     ap.add_argument("--commit", help="--import: the commit the run was produced at")
     ap.add_argument("--commit-note", default=None, help="--import: how the commit was determined")
+    ap.add_argument("--load", default=None, metavar="START,END",
+                    help="--import: the 1-minute load average at the run's start and end, where results.json lacks it")
     ap.add_argument("--renderer", choices=sorted(RENDERERS), default=None,
                     help="--import: which report code renders it (default: from --name or the results' keys)")
     args = ap.parse_args(argv)
@@ -422,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.import_dir:
             if not args.name:
                 raise Refused("--import needs --name")
-            where = import_run(args.import_dir, args.name, args.command, args.commit, args.commit_note, args.renderer)
+            where = import_run(args.import_dir, args.name, args.command, args.commit, args.commit_note, args.renderer,
+                               args.load)
             print(f"imported {where}")
         if args.check:
             stale = out_of_date()

@@ -42,6 +42,7 @@ from transformers.utils import logging as hf_logging
 from ..eval.flops import flop_parameters, inference_flops, training_flops
 from ..eval.scoring import row_losses
 from ..model.modeling import load_model
+from ..training.device import load_average
 from ..training.pretrain import build_tokenizer_and_corpus, spread_rows
 from ..utils.io import atomic_write_bytes, read_jsonl
 from ..utils.stats import bootstrap_ci
@@ -86,7 +87,7 @@ def parse_multipliers(text: str) -> list[float]:
 def run_data_efficiency(args) -> dict:
     hf_logging.disable_progress_bar()
     say = say_for(args)
-    t_all = time.perf_counter()
+    t_all, load0 = time.perf_counter(), load_average()
     steps = steps_for(args)
     mults = parse_multipliers(args.multipliers)
     if args.eval_rows < 1:
@@ -236,6 +237,7 @@ def run_data_efficiency(args) -> dict:
         "seconds": {"data": t_data, "train": t_train, "train_baseline_epochs": t_epochs, "eval": t_eval,
                     "total": wall},
         "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+        "load_average": [load0, load_average()],
     }
     plot_path = os.path.join(args.out, "loss_vs_tokens_flops.png")
     try:
