@@ -158,3 +158,18 @@ def test_the_layer_check_can_fail(tmp_path):
     ]
     good.write_text('"""good."""\nfrom ..experiments import recipe\n')
     assert layer_violations(good, tmp_path) == []
+
+
+def test_the_readme_layout_names_every_module():
+    """The README's Layout table lists each layer's modules: a module added without its row entry fails here (it
+    drifted twice). Reads the table's ``modules`` cell of each layer's row."""
+    readme = (ROOT.parent.parent / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`").rstrip("/"): line.split("|")[2]
+            for line in readme.splitlines() if line.startswith("| `") and line.count("|") >= 4}
+    missing = []
+    for layer in LAYERS[:-1]:
+        assert layer in rows, f"README Layout: no row for {layer}/"
+        for p in sorted((ROOT / layer).glob("*.py")):
+            if p.name != "__init__.py" and f"`{p.stem}`" not in rows[layer]:
+                missing.append(f"{layer}/{p.name}")
+    assert missing == [], f"README Layout table does not name: {missing}"
