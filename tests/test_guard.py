@@ -12,6 +12,7 @@ import torch
 from fullband.training.config import TrainConfig
 from fullband.training.engine import run as run_recipe
 from fullband.training.engine import trained_loss
+from fullband.training.metrics import Guard
 from fullband.training.pretrain import PretrainRecipe
 from fullband.utils.io import read_jsonl
 
@@ -52,8 +53,41 @@ def test_a_spike_in_the_trained_passes_is_skipped_when_pass_1_has_no_gradient(da
     assert trained_loss(hit["pass_losses"], 3, 2) > 1.5 * trained_loss(before["pass_losses"], 3, 2)
     assert hit.get("skipped", "").startswith("loss spike"), hit
     assert all("skipped" not in r for r in rows[:CORRUPT_AT])
-    # the corrupted fusion stays (skipped steps do not update it): the run stops after --max-bad-steps 2
-    assert summary["status"] == "stopped" and len(rows) == CORRUPT_AT + 2
+    # the corrupted fusion stays (skipped steps do not update it), so the next step spikes too; after
+    # --max-bad-steps 2 finite spikes below the level the run started from the guard re-bases its running loss on
+    # them (the model's loss moved: skipping cannot undo it) and the run trains on, and the fusion back down
+    assert rows[CORRUPT_AT + 1].get("skipped", "").startswith("loss spike")
+    events = [r for r in read_jsonl(os.path.join(tmp_path / "g", "metrics.jsonl")) if r.get("split") == "event"]
+    assert [(e["step"], e["event"]) for e in events] == [(CORRUPT_AT + 2, "guard_rebased")], events
+    assert summary["status"] == "done" and len(rows) == 34 and "skipped" not in rows[CORRUPT_AT + 2]
+    assert trained_loss(rows[-1]["pass_losses"], 3, 2) < trained_loss(hit["pass_losses"], 3, 2)
+
+
+def guard_after(losses, **kw):
+    """A Guard fed ``losses`` (``None``: a non-finite gradient) as the engine feeds it: checked, then good or bad."""
+    g = Guard(**kw)
+    for x in losses:
+        reason = g.check(x, x, float("nan") if x is None else 1.0) if x is not None else "non-finite gradient"
+        g.good(x) if reason is None else g.bad(x if x is not None else float("nan"), x is not None)
+    return g
+
+
+def test_the_guard_rebases_only_finite_spikes_below_where_the_run_started():
+    """Start 2.0, trained down to ~0.05, then the model's loss jumps to ~0.9 on every batch (the state experiment's
+    x2 arm at 900 steps: a large Adam step after a small-loss batch): skipping cannot undo it, the guard says the
+    level changed. The same jump to above the start (a divergence), a row with a non-finite loss in it, or fewer
+    bad steps than the row's length do not."""
+    down = [2.0 * 0.6 ** i for i in range(8)] + [0.05] * 30
+    g = guard_after(down + [0.9, 0.95, 0.85], warmup=10)
+    assert g.bad_in_row == 3 and g.level_changed() and g.peak == pytest.approx(2.0)
+    assert g.rebase() == pytest.approx(0.9) and g.ema == pytest.approx(0.9) and g.bad_in_row == 0
+    assert g.check(1.0, 1.0, 1.0) is None and g.check(2.8, 2.8, 1.0) is not None  # spikes judged against 0.9 now
+    assert not guard_after(down + [2.5, 2.6, 2.4], warmup=10).level_changed()  # above the start: a divergence
+    assert not guard_after(down + [0.9, float("nan"), 0.9], warmup=10).level_changed()
+    assert not guard_after(down + [0.9, None, 0.9], warmup=10).level_changed()  # a non-finite gradient in the row
+    g = guard_after(down + [0.9, 0.9], warmup=10)
+    g.restart()  # the switch-on forgets the level the run started from too: nothing to compare with yet
+    assert not g.level_changed()
 
 
 def test_the_watched_loss_is_the_mean_of_the_trained_passes():

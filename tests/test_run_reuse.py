@@ -129,7 +129,7 @@ def test_quickstart_reuses_its_finished_runs(tmp_path, capsys):
             "--state-steps", "2", "--state-test-rows", "2"]
     assert cli.main(argv) == 0
     runs = ("baseline", "fbt", "baseline-flops", "baseline-epochs") + tuple(
-        os.path.join("state", "seed0", "runs", n) for n in ("baseline-L", "baseline-2L", "fbt-L-glu"))
+        os.path.join("state", "seed0", "runs", n) for n in ("baseline-L", "baseline-2L", "fbt-L-glu-x2"))
     stamps = {d: _stamps(out / d) for d in runs}
     first = json.loads((out / "results.json").read_text())
     saved = json.loads((out / "baseline-epochs" / "run_config.json").read_text())

@@ -469,15 +469,28 @@ def test_quickstart_smoke(tmp_path, capsys):
     assert [r["tokens"] for r in base] == [r["tokens"] for r in fbt]
     assert all(r["num_passes"] == 1 for r in base) and fbt[-1]["num_passes"] > 1
     # the running-state part: the state experiment's own runs and results (seed 0, the quickstart's), its compact
-    # table printed and in the report; FBT trained with K = T + 1 = 11 passes on every step
+    # table printed and in the report; FBT trained with exact states + 2 gradient passes on every step, its
+    # training FLOPs printed beside what K = T + 1 = 11 passes would cost (counted here from the model's shape)
     part = json.loads((out / "state" / "results.json").read_text())
-    assert part["arms"] == ["baseline-L", "baseline-2L", "fbt-L-glu"] and part["seeds"] == [0]
+    assert part["arms"] == ["baseline-L", "baseline-2L", "fbt-L-glu-x2"] and part["seeds"] == [0]
     assert part["settings"]["tasks"] == "s3,parity" and part["settings"]["steps"] == 2
-    assert {r["num_passes"] for r in train_rows(out / "state" / "seed0" / "runs" / "fbt-L-glu")} == {11}
+    fbt_rows = train_rows(out / "state" / "seed0" / "runs" / "fbt-L-glu-x2")
+    assert all(r["exact_states"] and r["passes_run"] == 2 == r["grad_passes_run"] for r in fbt_rows), fbt_rows
+    x2 = fullband.model.modeling.load_model(str(out / "state" / "seed0" / "runs" / "fbt-L-glu-x2"))
+    n_matmul = sum(m.weight.numel() for m in x2.backbone.modules() if isinstance(m, torch.nn.Linear))
+    n_norm = sum(m.weight.numel() for n, m in x2.backbone.named_modules() if n.endswith("norm"))
+    n_fusion = sum(p.numel() for p in x2.feedback.parameters())
+    L, d = x2.backbone.config.num_hidden_layers, x2.backbone.config.hidden_size
+    rows, T = 2 * 32, 12  # 2 steps x 32 rows of 12 tokens
+    k_exact = rows * T * 11 * (6 * (n_matmul + n_norm) + 6 * L * T * d) + rows * T * 10 * 6 * n_fusion
+    assert part["runs"]["fbt-L-glu-x2"]["train_flops_k_exact"] == pytest.approx(k_exact, rel=1e-9)
+    plain = part["runs"]["baseline-L"]["train_flops"]
     table = res["running_state"]["table"]
+    assert (f"fbt-L-glu-x2 {part['runs']['fbt-L-glu-x2']['train_flops'] / plain:.2f}x (K = 11 passes on the same "
+            f"steps: {k_exact / plain:.2f}x)") in table
     assert table in printed and table in (out / "report.md").read_text()
     for r in part["table"]:
-        if r["mode"] == "exact" or (r["mode"] == "standard" and r["arm"] != "fbt-L-glu"):
+        if r["mode"] == "exact" or (r["mode"] == "standard" and r["arm"] != "fbt-L-glu-x2"):
             cell = f"{r['pos']['estimate']:.2f} [{r['pos']['low']:.2f}, {r['pos']['high']:.2f}] / {r['last']['estimate']:.2f}"
             line = next(x for x in table.splitlines() if x.startswith(f"| {r['task']} | {r['arm']} ({r['mode']}) |"))
             assert line.split(" | ")[2 + [10, 20, 40].index(r["length"])].strip(" |") == cell

@@ -63,7 +63,7 @@ from .quickstart_state import run_state_part
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=300, batch_size=16, seq_len=128,
                 vocab_size=4096, seed=0, feedback_start=TrainConfig().feedback_start, num_passes=2, eval_rows=128, samples=3,
-                sample_tokens=48, prompt_tokens=24, score_prompt=None, state_steps=300, state_test_rows=200)
+                sample_tokens=48, prompt_tokens=24, score_prompt=None, state_steps=900, state_test_rows=200)
 # The recipe is `fullband train`'s defaults (chosen by `fullband experiment recipe`, see the README): both runs share
 # the LR schedule; the report lists these settings of the FBT run.
 RECIPE_FIELDS = ("fusion", "lr_schedule", "decay_fraction", "fusion_lr_mult", "fusion_warmup", "clip_per_group",
@@ -352,8 +352,10 @@ def _state_section(part: dict | None) -> list[str]:
             f"Streams of T = {s['length']} inputs with a label at every position (the state after that input: the "
             "running product of S3 permutations, the parity of the prefix), both tasks mixed in one stream; every "
             f"model {s['steps']} steps x {s['batch_size']} rows (equal tokens), Llama d{s['hidden']}, L = "
-            f"{s['layers']}; `fbt-L-glu` is the L-layer model with feedback (the paper's GLU entry) trained with K = "
-            f"{s['num_passes']} passes on every step (the exact recurrence at every labelled position); "
+            f"{s['layers']}; `fbt-L-glu-x2` is the L-layer model with feedback (the paper's GLU entry) trained on the "
+            "exact recurrence at linear cost: each row's exact states token by token without gradient, then 2 "
+            "teacher-forced passes with gradient from them (`--exact-states --grad-passes 2`; K = "
+            f"{s['num_passes']} passes would be the same recurrence at quadratic cost, its FLOPs under the table); "
             f"`baseline-2L` has twice the layers. Tested on {s['test_rows']} fresh rows per task and length (none of "
             "them a training row), at the training length and beyond (length generalisation); FBT in exact mode "
             "(token by token, as it decodes) and with only its fed-back state replaced, the token kept: by the mean "

@@ -64,7 +64,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..data.corpus import Corpus
-from ..eval.flops import flop_parameters
+from ..eval.flops import flop_parameters, training_flops
 from ..eval.scoring import load_any_model, mode_logits
 from ..eval.state_tasks import (
     CHANCE,
@@ -149,6 +149,13 @@ def make_arms(args) -> dict[str, Arm]:
             Arm("fbt-L-fb", "L layers, residual entry, full backpropagation through the recurrence on every step", 1,
                 dict(num_passes=2, full_backprop=True, backprop_chunk=8, **LONG))]
     return {a.name: a for a in arms}
+
+
+def k_exact_flops(model, cfg, length: int) -> float:
+    """The training FLOPs the run's steps would cost as K = T + 1 passes, every one with gradient (what ``fbt-L`` /
+    ``fbt-L-glu`` train): the cost an exact-states or full-backpropagation arm is there to avoid."""
+    records = [{"split": "train", "num_passes": exact_passes(length)}] * cfg.steps
+    return training_flops(records, cfg.batch_size * cfg.seq_len, cfg.seq_len, flop_parameters(model))["flops"]
 
 
 def add_arguments(r) -> None:
@@ -459,6 +466,8 @@ def run_state(args, show: bool = True) -> dict:
                 res["runs"][name] = {"layers": args.layers * arms[name].depth,
                                      "parameters": sum(p.numel() for p in model.parameters()),
                                      "inference_flops": inference_costs(model, ref_fp, sets[s])}
+                if has_feedback(model):
+                    res["runs"][name]["train_flops_k_exact"] = k_exact_flops(model, cfg, args.length)
     for name in names:
         per = [res["per_seed"][str(s)][name] for s in seeds]
         res["runs"][name] |= {"steps": per[0]["steps"], "tokens": per[0]["tokens"],

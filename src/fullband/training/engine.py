@@ -356,7 +356,7 @@ class Trainer:
             optimizer.step()
             guard.good(watched)
         else:
-            guard.bad()
+            guard.bad(watched, finite_gradient=reason != "non-finite gradient")
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         self.tokens += batch.tokens
@@ -391,7 +391,15 @@ class Trainer:
         cfg, guard, log = self.cfg, self.guard, self.log
         if reason is not None:
             log.write(f"step {done}: skipped ({reason}); {guard.bad_in_row} bad step(s) in a row")
-            if guard.bad_in_row >= cfg.max_bad_steps:
+            if guard.bad_in_row >= cfg.max_bad_steps and guard.level_changed():
+                n, peak = guard.bad_in_row, guard.peak
+                level = guard.rebase()
+                note = (f"step {done}: {n} steps in a row spiked on unchanged weights (mean {level:.3f}, below the "
+                        f"level the run started from, {peak:.3f}): the model's loss moved, not the batches'; the "
+                        "guard's running loss is re-based there and training goes on")
+                log.write(note)
+                log.record({"step": done, "split": "event", "event": "guard_rebased", "reason": note})
+            elif guard.bad_in_row >= cfg.max_bad_steps:
                 message = (f"stopped after {guard.bad_in_row} bad steps in a row at step {done}; "
                            + (f"last good checkpoint: {self.last_ckpt}" if self.last_ckpt
                               else "no checkpoint was written"))

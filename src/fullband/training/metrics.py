@@ -107,7 +107,16 @@ def plot_run(out: str, default_name: str, title: str | None = None) -> None:
 
 @dataclass
 class Guard:
-    """Skips NaN/inf and spiking steps; counts them."""
+    """Skips NaN/inf and spiking steps; counts them.
+
+    A skipped step leaves the weights as they were, so when ``n`` steps in a row spike, every one a finite loss on a
+    batch of its own, the loss is the model's and not the batches': an update the guard had let through moved it (on
+    tasks trained to near-zero loss, Adam's occasional large step at tiny second moments does this with a
+    small-loss batch and a small gradient norm: nothing to see before the update). Skipping more cannot bring it
+    back; training on can. :meth:`level_changed` says so when their mean is below ``peak``, the highest running loss
+    since the running loss (re)started (the level the run started from): the engine then re-bases the running loss
+    on them (:meth:`rebase`) and trains on, logging an event. A run whose skipped steps are non-finite or sit above
+    where it started is stopped as before."""
 
     spike_factor: float = 3.0
     warmup: int = 10
@@ -116,6 +125,9 @@ class Guard:
     good_steps: int = 0
     bad_in_row: int = 0
     skipped: int = 0
+    peak: float | None = None
+    row: list = dataclasses.field(default_factory=list)  # the watched losses of the bad steps in a row (nan: non-finite)
+    rebased: int = 0
 
     def check(self, loss: float, watched: float, grad_norm: float | None) -> str | None:
         """Why the step must be skipped, or ``None``; ``watched``: the loss of the passes the step trains."""
@@ -130,12 +142,29 @@ class Guard:
 
     def good(self, watched: float) -> None:
         self.ema = watched if self.ema is None else self.beta * self.ema + (1 - self.beta) * watched
+        self.peak = self.ema if self.peak is None else max(self.peak, self.ema)
         self.good_steps += 1
         self.bad_in_row = 0
+        self.row = []
 
-    def bad(self) -> None:
+    def bad(self, watched: float = float("nan"), finite_gradient: bool = True) -> None:
+        """A skipped step; ``watched``: its loss, ``finite_gradient``: False when its gradient was not finite."""
         self.bad_in_row += 1
         self.skipped += 1
+        self.row.append(watched if finite_gradient and math.isfinite(watched) else float("nan"))
+
+    def level_changed(self) -> bool:
+        """Whether the bad steps in a row are finite spikes whose mean sits below ``peak``: the model's loss moved
+        (see the class), not a run of bad batches or a divergence."""
+        return (bool(self.row) and len(self.row) == self.bad_in_row and all(math.isfinite(x) for x in self.row)
+                and self.peak is not None and sum(self.row) / len(self.row) < self.peak)
+
+    def rebase(self) -> float:
+        """Take the bad steps' mean loss as the running loss (spikes still checked against it); returns it."""
+        level = sum(self.row) / len(self.row)
+        self.ema, self.bad_in_row, self.row = level, 0, []
+        self.rebased += 1
+        return level
 
     def restart(self) -> None:
         """Forget the running loss (it re-warms over ``warmup`` good steps, non-finite steps still skipped): at the
@@ -143,6 +172,7 @@ class Guard:
         by a fusion just built, so its first fed-back steps sit far above the plain phase's loss without anything
         having gone wrong, and judged against the plain phase they would read as spikes and stop the run."""
         self.ema = None
+        self.peak = None
         self.good_steps = 0
 
     def to_dict(self) -> dict:
