@@ -184,6 +184,7 @@ def test_an_engine_step_equals_the_step_from_the_reference_gradient():
     assert cfg.pass_options() == {"full_backprop": True, "backprop_chunk": 4}
     assert cfg.fed_back_evaluation() == ("exact", "exact")
     engine, ref = trained_looking("residual"), trained_looking("residual")
+    start = [p.detach().clone() for p in ref.parameters()]
     micro = []
     for seed in (1, 2):
         ids = random_ids(2, 9, seed=seed)
@@ -207,8 +208,15 @@ def test_an_engine_step_equals_the_step_from_the_reference_gradient():
         for opt in (opt_e, opt_r):
             opt.step()
             opt.zero_grad(set_to_none=True)
-    for (name, a), b in zip(engine.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # compared as updates: AdamW normalizes each element's gradient by its running RMS, so an element whose gradient
+    # is near zero turns the 1e-6-relative rounding difference of the two gradients into a visible part of its step
+    # (seen: 1.2e-6 of a 2e-3 step on one element of one machine, 0 on another); a wrong gradient moves most
+    # elements by O(lr). Per tensor: the largest element's difference within 1% of the largest step, the norm of
+    # the difference within 0.1% of the step's norm.
+    for (name, a), b, w in zip(engine.named_parameters(), ref.parameters(), start):
+        got, want = (a - w).detach(), (b - w).detach()
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), name
+        assert (got - want).norm() <= 1e-3 * want.norm(), name
     assert not torch.equal(engine.feedback.value_proj.weight, trained_looking().feedback.value_proj.weight)
 
 
