@@ -383,7 +383,8 @@ def import_run(src: str, name: str, command: str, commit: str, commit_note: str 
     date, date_source = mtime.strftime("%Y-%m-%d %H:%M UTC"), "mtime of the run's results.json"
     if prov.get("date"):
         date, date_source = str(prov["date"]), "results.json's provenance"
-    seeds = res.get("seeds", [res["seed"]] if "seed" in res else [])
+    seed = res.get("seed", res.get("settings", {}).get("seed"))  # one-seed experiments (depth) keep it in settings
+    seeds = res.get("seeds", [seed] if seed is not None else [])
     meta = {"name": name, "renderer": renderer, "command": command, "commit": resolve_commit(commit),
             "commit_note": commit_note, "seeds": seeds, "load_average": res.get("load_average") or _parse_load(load),
             "threads": res.get("threads"), "seconds": seconds,
