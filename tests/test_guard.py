@@ -67,7 +67,7 @@ def guard_after(losses, **kw):
     """A Guard fed ``losses`` (``None``: a non-finite gradient) as the engine feeds it: checked, then good or bad."""
     g = Guard(**kw)
     for x in losses:
-        reason = g.check(x, x, float("nan") if x is None else 1.0) if x is not None else "non-finite gradient"
+        reason = "non-finite gradient" if x is None else g.check(x, x, 1.0)
         g.good(x) if reason is None else g.bad(x if x is not None else float("nan"), x is not None)
     return g
 
