@@ -204,11 +204,13 @@ def add_reasoning_parser(ex) -> None:
                       description=reasoning.__doc__.split("\n", 1)[1],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(r, reasoning.RS_DEFAULTS)
-    r.add_argument("--task", default=reasoning.RS_DEFAULTS["task"], choices=["arithmetic", "state", "permutation"],
-                   help="synthetic task (default: arithmetic)")
+    r.add_argument("--task", default=reasoning.RS_DEFAULTS["task"],
+                   choices=["arithmetic", "state", "permutation", "s3"],
+                   help="synthetic task (default: arithmetic; s3: the running product of 6-10 elements of S3, the "
+                        "trace writing the running state)")
     r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
                    help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
-                        f"{reasoning.TASK_DEFAULTS['arithmetic']}")
+                        f"{reasoning.TASK_DEFAULTS['arithmetic']}, s3 to {reasoning.TASK_DEFAULTS['s3']}")
     r.add_argument("--train-problems", type=int, default=reasoning.RS_DEFAULTS["train_problems"],
                    help="training problems (default: %(default)s)")
     r.add_argument("--test-problems", type=int, default=reasoning.RS_DEFAULTS["test_problems"],
@@ -226,6 +228,18 @@ def add_reasoning_parser(ex) -> None:
     r.add_argument("--no-flops-baseline", action="store_true", help="skip the equal-FLOPs baseline")
     r.add_argument("--no-epochs-baseline", action="store_true",
                    help="skip baseline-epochs (the equal-unique-tokens-and-FLOPs baseline: FBT's rows re-read)")
+    r.add_argument("--fbt-recipe", default=reasoning.RS_DEFAULTS["fbt_recipe"], choices=["default", "exact"],
+                   help="FBT's training: default (`fullband train`'s recipe, K <= 3 passes) or exact (the whole "
+                        "recurrence at linear cost on every step: exact states then 2 gradient passes; recipe flags "
+                        "and --set still win) (default: %(default)s)")
+    r.add_argument("--pause-tokens", type=int, default=reasoning.RS_DEFAULTS["pause_tokens"], metavar="N",
+                   help="the pause-token control (baseline-pause, trained for FBT's FLOPs): N filler tokens after "
+                        "every prompt; default: the held-out prompts' mean length (what fused mode's extra prompt "
+                        "pass costs); 0: no pause control")
+    r.add_argument("--internalize-stages", type=int, default=reasoning.RS_DEFAULTS["internalize_stages"],
+                   metavar="S", help="the stepwise-internalization control (baseline-internalized, FBT's FLOPs "
+                                     "over S + 1 chained stages, stage j trained with the first j/S of each "
+                                     "trace's steps removed); 0: none (default: %(default)s)")
     r.add_argument("--max-new-tokens", type=int, default=reasoning.RS_DEFAULTS["max_new_tokens"],
                    help="longest completion (default: %(default)s)")
     r.add_argument("--gen-batch-size", type=int, default=reasoning.RS_DEFAULTS["gen_batch_size"],

@@ -2,10 +2,12 @@
 format shared by evaluation and fine-tuning.
 
 Owns :class:`Problem`; the generators for multi-step arithmetic (:func:`arithmetic_problems`, with or without a chain
-of thought), state tracking through variable assignments (:func:`state_problems`) and through a sequence of swaps
-(:func:`permutation_problems`); :func:`read_gsm8k` for GSM8K-format jsonl files (``question``, ``answer`` ending in
+of thought), state tracking through variable assignments (:func:`state_problems`), through a sequence of swaps
+(:func:`permutation_problems`) and through a product in the group S3 (:func:`s3_problems`, the running state the
+state experiment's ``s3`` streams carry, written as a trace); :func:`read_gsm8k` for GSM8K-format jsonl files (``question``, ``answer`` ending in
 ``#### N``); :func:`make_problems` (one by name); and :func:`format_prompt` (``"Q: {question}\nA:"``, after optional
-solved examples) / :func:`format_target` (``" {chain of thought} #### {answer}"``, or ``" #### {answer}"``).
+solved examples; ``pause`` filler tokens after it) / :func:`format_target` (``" {chain of thought} #### {answer}"``, or
+``" #### {answer}"``; ``drop``: the trace's first steps removed, as stepwise internalization trains).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ..utils.io import iter_jsonl_objects
+from .depth_tasks import compose_two, permutations_of
 
 ANSWER_MARKER = "####"
-TASKS = ("arithmetic", "state", "permutation", "gsm8k")
+TASKS = ("arithmetic", "state", "permutation", "s3", "gsm8k")
+PAUSE = "_"  # the pause-token control's filler: one byte no problem text holds (one token of a byte-level BPE)
 VERBOSITIES = ("full", "partial", "direct")
 
 
@@ -192,6 +196,37 @@ def permutation_problems(n: int, seed: int = 0, num_items: int = 4, num_swaps=(3
     return out
 
 
+def s3_problems(n: int, seed: int = 0, num_steps=(6, 10), every: int = 2) -> list[Problem]:
+    """The running product of ``num_steps`` elements of S3 (numbered ``1..6`` in the order of
+    :func:`fullband.eval.depth_tasks.permutations_of`, ``1`` the identity; the first applied first).
+
+    ``"S3 product 3 2 5 1=?"`` with the trace ``"3*2=5; 5*5=1; 1*1=1."`` (the running product after every element),
+    the partial trace writing it every ``every`` elements (``"3*2*5=1; 1*1=1."``) and the answer ``"1"``: the
+    word problem of the state experiment's ``s3`` task, with an optional trace of the state.
+    """
+    lo, hi = _check_range("num_steps", num_steps)
+    if lo < 2 or every < 2:
+        raise ValueError(f"num_steps must be >= 2 and every >= 2, got {num_steps!r}, {every}")
+    group = permutations_of(3)
+    where = {g: i + 1 for i, g in enumerate(group)}
+    rng = _rng(seed, "s3")
+    out = []
+    for i in range(n):
+        xs = [rng.randint(1, 6) for _ in range(rng.randint(lo, hi))]
+        acc, steps, partial, written, lhs = group[xs[0] - 1], [], [], 1, str(xs[0])
+        for j, x in enumerate(xs[1:], start=1):
+            nxt = compose_two(acc, group[x - 1])
+            steps.append(f"{where[acc]}*{x}={where[nxt]}")
+            acc, lhs = nxt, f"{lhs}*{x}"
+            if j - written + 1 >= every or j == len(xs) - 1:
+                partial.append(f"{lhs}={where[acc]}")
+                lhs, written = str(where[acc]), j + 1
+        out.append(Problem(f"s3-{seed}-{i}", "s3", f"S3 product {' '.join(map(str, xs))}=?", str(where[acc]),
+                           "; ".join(steps) + ".", {"steps": len(steps), "partial_steps": len(partial)},
+                           "; ".join(partial) + "."))
+    return out
+
+
 def _clean_number(text: str) -> str:
     return text.strip().replace(",", "").replace("$", "").rstrip(".")
 
@@ -222,7 +257,7 @@ def read_gsm8k(path: str, limit: int | None = None) -> list[Problem]:
 
 
 def make_problems(task: str, n: int = 100, seed: int = 0, data: str | None = None, **options) -> list[Problem]:
-    """``n`` problems of ``task`` (``arithmetic``, ``state``, ``permutation``; ``gsm8k`` reads ``data``)."""
+    """``n`` problems of ``task`` (``arithmetic``, ``state``, ``permutation``, ``s3``; ``gsm8k`` reads ``data``)."""
     if n < 1:
         raise ValueError(f"number of problems must be >= 1, got {n}")
     if task == "arithmetic":
@@ -231,6 +266,8 @@ def make_problems(task: str, n: int = 100, seed: int = 0, data: str | None = Non
         return state_problems(n, seed, **options)
     if task == "permutation":
         return permutation_problems(n, seed, **options)
+    if task == "s3":
+        return s3_problems(n, seed, **options)
     if task == "gsm8k":
         if not data:
             raise ValueError("task gsm8k reads a GSM8K-format jsonl file: give it with --data FILE")
@@ -241,34 +278,48 @@ def make_problems(task: str, n: int = 100, seed: int = 0, data: str | None = Non
 # ----------------------------------------------------------------------------------------------- format
 
 
-def trace_text(problem: Problem, verbosity: str = "full") -> str:
+def trace_text(problem: Problem, verbosity: str = "full", drop: float = 0.0) -> str:
     """The chain of thought a completion of ``verbosity`` writes: the solution (``full``), the partial one
-    (``partial``; the full one when the problem has none) or nothing (``direct``)."""
+    (``partial``; the full one when the problem has none) or nothing (``direct``); ``drop`` in [0, 1] removes its
+    first ``round(drop * steps)`` steps (``"; "``-separated; all of them: no trace), as a stage of stepwise
+    internalization trains (Deng et al., *From explicit CoT to implicit CoT*)."""
     if verbosity not in VERBOSITIES:
         raise ValueError(f"unknown verbosity {verbosity!r}: choose one of {', '.join(VERBOSITIES)}")
+    if not 0.0 <= drop <= 1.0:
+        raise ValueError(f"drop must be in [0, 1], got {drop}")
     if verbosity == "direct":
         return ""
-    return problem.partial if verbosity == "partial" and problem.partial else problem.solution
+    text = problem.partial if verbosity == "partial" and problem.partial else problem.solution
+    if drop == 0.0 or not text:
+        return text
+    steps = text.rstrip(".").split("; ")
+    kept = steps[round(drop * len(steps)):]
+    return "; ".join(kept) + "." if kept else ""
 
 
-def format_target(problem: Problem, cot: bool = True, verbosity: str = "full") -> str:
+def format_target(problem: Problem, cot: bool = True, verbosity: str = "full", drop: float = 0.0) -> str:
     """What the model should write after the prompt: ``" {trace} #### {answer}"`` with the trace of ``verbosity``
     (:func:`trace_text`), or ``" #### {answer}"`` without a chain of thought or when there is no trace. A
     multi-line trace puts the marker on its own line, as GSM8K does."""
-    trace = trace_text(problem, verbosity) if cot else ""
+    trace = trace_text(problem, verbosity, drop) if cot else ""
     if trace:
         sep = "\n" if "\n" in trace else " "
         return f" {trace}{sep}{ANSWER_MARKER} {problem.answer}"
     return f" {ANSWER_MARKER} {problem.answer}"
 
 
-def format_prompt(problem: Problem, shots=(), cot: bool = True) -> str:
-    """``"Q: {question}\\nA:"``, after the solved ``shots`` (each ``prompt + target``), separated by blank lines."""
+def format_prompt(problem: Problem, shots=(), cot: bool = True, pause: int = 0) -> str:
+    """``"Q: {question}\\nA:"``, after the solved ``shots`` (each ``prompt + target``), separated by blank lines;
+    ``pause`` filler tokens (:data:`PAUSE`) after it: the pause-token control's extra compute before it answers."""
+    if pause < 0:
+        raise ValueError(f"pause must be >= 0, got {pause}")
     parts = [f"Q: {s.question}\nA:{format_target(s, cot)}" for s in shots]
-    parts.append(f"Q: {problem.question}\nA:")
+    parts.append(f"Q: {problem.question}\nA:" + PAUSE * pause)
     return "\n\n".join(parts)
 
 
-def format_example(problem: Problem, cot: bool = True, verbosity: str = "full") -> str:
-    """A complete training example: prompt followed by the target of ``verbosity``."""
-    return format_prompt(problem, cot=cot) + format_target(problem, cot, verbosity)
+def format_example(problem: Problem, cot: bool = True, verbosity: str = "full", pause: int = 0,
+                   drop: float = 0.0) -> str:
+    """A complete training example: prompt (with ``pause`` fillers) followed by the target of ``verbosity``
+    (``drop``: :func:`trace_text`)."""
+    return format_prompt(problem, cot=cot, pause=pause) + format_target(problem, cot, verbosity, drop)

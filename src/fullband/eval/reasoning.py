@@ -215,16 +215,17 @@ def _cut(toks: list[int], tokenizer, eos: int | None) -> list[int]:
 # ----------------------------------------------------------------------------------------------- verbosity
 
 
-def style_openings(tokenizer, problem: Problem) -> dict[str, list[int]]:
+def style_openings(tokenizer, problem: Problem, pause: int = 0) -> dict[str, list[int]]:
     """For each verbosity of :data:`VERBOSITIES`, the shortest opening of its answer (token ids after the prompt, as
     the training text is tokenized) that no other verbosity's answer starts with: ``" ####"`` (or its first token)
     for ``direct``, ``" 3+8="`` vs ``" 3+8-5"`` for ``full`` vs ``partial``. A verbosity whose answer is the same as another's
     (a problem too short to shorten) shares its opening. Appended to the prompt, an opening makes a model continue
-    in that verbosity; a completion that starts with one chose it."""
-    prompt = tokenizer(format_prompt(problem), add_special_tokens=False)["input_ids"]
+    in that verbosity; a completion that starts with one chose it. ``pause``: after that many filler tokens
+    (:func:`~fullband.eval.problems.format_prompt`)."""
+    prompt = tokenizer(format_prompt(problem, pause=pause), add_special_tokens=False)["input_ids"]
     answers = {}
     for v in VERBOSITIES:
-        ids = tokenizer(format_example(problem, True, v), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(format_example(problem, True, v, pause=pause), add_special_tokens=False)["input_ids"]
         if ids[: len(prompt)] != prompt:
             raise ValueError(f"the tokenizer splits the prompt of {problem.id!r} differently inside its answer")
         answers[v] = ids[len(prompt):]
@@ -251,7 +252,7 @@ def chosen_verbosity(openings: dict[str, list[int]], completion: list[int]) -> s
 
 def evaluate_reasoning(model, tokenizer, problems: list[Problem], mode: str = "standard", max_new_tokens: int = 128,
                        cot: bool = True, shots=(), batch_size: int = 8, prefill_passes: int = 1,
-                       verbosity: str | None = None) -> list[dict]:
+                       verbosity: str | None = None, pause: int = 0) -> list[dict]:
     """Decode every problem greedily in ``mode`` and grade it; one record per problem, in order.
 
     ``verbosity`` (``full``, ``partial``, ``direct``) forces one: the prompt is followed by that verbosity's
@@ -260,13 +261,14 @@ def evaluate_reasoning(model, tokenizer, problems: list[Problem], mode: str = "s
     after ``####``) and ``answer_flexible``, ``correct`` / ``correct_flexible`` (math-verify),
     ``marker_found``, ``trace_tokens`` (:func:`trace_length`), ``generated_tokens`` (tokens until the stop,
     EOS excluded; a forced opening included), ``hit_eos`` and ``verbosity`` (the one chosen or forced:
-    :func:`chosen_verbosity`, without shots only).
+    :func:`chosen_verbosity`, without shots only). ``pause``: each prompt ends in that many filler tokens
+    (:func:`~fullband.eval.problems.format_prompt`; a pause-token model's), part of the prompt, not the trace.
     """
     if verbosity is not None and (verbosity not in VERBOSITIES or shots or not cot):
         raise ValueError(f"a forced verbosity is one of {', '.join(VERBOSITIES)}, zero-shot with a chain of thought; "
                          f"got {verbosity!r}")
-    prompts = [format_prompt(p, shots, cot) for p in problems]
-    openings = [style_openings(tokenizer, p) for p in problems] if not shots and cot else None
+    prompts = [format_prompt(p, shots, cot, pause) for p in problems]
+    openings = [style_openings(tokenizer, p, pause) for p in problems] if not shots and cot else None
     forced = [[] for _ in problems]
     if verbosity is not None:
         forced = [o[verbosity] for o in openings]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import random
@@ -56,21 +55,32 @@ from .common import (
     refuse_changed_runs,
     say_for,
     steps_for,
+    flops_matched_steps,
     train_or_reuse,
     train_pair,
     write_outputs,
 )
-from .reasoning_report import BASELINE, EPOCHS, FBT, FLOPS, KINDS, markdown, tables
+from .reasoning_controls import (
+    control_configs,
+    curve_png,
+    fbt_recipe,
+    pause_count,
+    stage_drops,
+    stage_label,
+    trace_savings,
+)
+from .reasoning_report import BASELINE, EPOCHS, FBT, FLOPS, INTERN, KINDS, PAUSE_ARM, markdown, tables
 
 RS_DEFAULTS = dict(out=os.path.join("runs", "experiments", "reasoning"), preset="tiny", steps=1200, batch_size=16,
                    seq_len=128, vocab_size=300, task="arithmetic", train_problems=20000, test_problems=200,
                    max_new_tokens=64, num_seeds=2, verbosity_mix="full=1,partial=1,direct=1", styles="free,full,partial,direct",
-                   fbt_modes="standard,soft,fused,exact", gen_batch_size=50, bootstrap=10_000)
+                   fbt_modes="standard,soft,fused,exact", gen_batch_size=50, bootstrap=10_000, fbt_recipe="default",
+                   pause_tokens=None, internalize_stages=3)
 RS_QUICK = dict(preset="micro", steps=6, batch_size=4, seq_len=64, train_problems=200, test_problems=6,
                 max_new_tokens=24, bootstrap=200)
 # Arithmetic at the edge of the default budget (1,200 steps): one-seed probes of the baseline's free accuracy gave
 # 0.08 (2-3 operations, 600 steps), 0.045 (2-4, 600), 0.075 (3-4, 600) and 0.505 (3-4, 1,200); the README has them.
-TASK_DEFAULTS = {"arithmetic": {"num_ops": (3, 4), "ops": "+-"}}
+TASK_DEFAULTS = {"arithmetic": {"num_ops": (3, 4), "ops": "+-"}, "s3": {"num_steps": (6, 10)}}
 STYLES = ("free",) + VERBOSITIES
 
 # ============================================================================================== data
@@ -132,15 +142,18 @@ def reasoning_problems(task: str, n_train: int, n_test: int, seed: int, options:
     return train_p, test, removed
 
 
-def training_documents(problems, mix: dict[str, float], seed: int, cot: bool = True) -> tuple[list[Document], dict]:
-    """One document per problem, written in a verbosity drawn from ``mix`` (seeded); also the counts drawn."""
+def training_documents(problems, mix: dict[str, float], seed: int, cot: bool = True, pause: int = 0,
+                       drop: float = 0.0) -> tuple[list[Document], dict]:
+    """One document per problem, written in a verbosity drawn from ``mix`` (seeded: every arm's documents draw the
+    same verbosities); also the counts drawn. ``pause`` fillers after each prompt and ``drop`` (the first steps of
+    each trace removed): :func:`fullband.eval.problems.format_example`."""
     rng = random.Random(f"verbosity:{seed}")
     names, weights = list(mix), [mix[v] for v in mix]
     docs, counts = [], dict.fromkeys(VERBOSITIES, 0)
     for p in problems:
         v = rng.choices(names, weights)[0] if cot else "direct"
         counts[v] += 1
-        docs.append(Document(p.id, format_example(p, cot, v)))
+        docs.append(Document(p.id, format_example(p, cot, v, pause=pause, drop=drop)))
     return docs, counts
 
 
@@ -155,46 +168,66 @@ def build_data(args, options: dict, mix: dict, say) -> tuple:
     atomic_write_text(train_file, "".join(json.dumps({"name": d.name, "text": d.text}) + "\n" for d in docs))
     atomic_write_text(os.path.join(data_dir, "test.jsonl"), "".join(json.dumps(p.to_dict()) + "\n" for p in test_p))
     tokenizer = train_tokenizer((d.text for d in docs), args.vocab_size)
-    rows = pack(tokenize_documents(tokenizer, docs), args.seq_len)
-    corpus = Corpus(tokenizer, rows, torch.empty(0, args.seq_len, dtype=torch.long), [d.name for d in docs], [])
-    say(f"reasoning: {args.task} {options}, {len(train_p):,} training problems ({rows.numel():,} tokens; verbosity "
-        f"drawn: {counts}), {len(test_p)} held-out problems ({removed} candidates dropped as training duplicates)")
-    return train_p, test_p, removed, counts, train_file, tokenizer, corpus
+    corpus = packed_corpus(tokenizer, docs, args.seq_len)
+    say(f"reasoning: {args.task} {options}, {len(train_p):,} training problems ({corpus.train_rows.numel():,} "
+        f"tokens; verbosity drawn: {counts}), {len(test_p)} held-out problems ({removed} candidates dropped as "
+        "training duplicates)")
+    pause = pause_count(args.pause_tokens, tokenizer, test_p, [d.text for d in docs])
+    corpora = {BASELINE: corpus}
+    arms = ([(PAUSE_ARM, pause, 0.0, "train-pause.jsonl")] if pause else []) + [
+        (stage_label(j, args.internalize_stages), 0, drop, f"train-internalize{j}.jsonl")
+        for j, drop in enumerate(stage_drops(args.internalize_stages)) if args.internalize_stages > 0]
+    for label, n, drop, name in arms:  # the controls' own documents: the same problems and verbosities
+        arm_docs, _ = training_documents(train_p, mix, args.seed, not args.no_cot, pause=n, drop=drop)
+        atomic_write_text(os.path.join(data_dir, name),
+                          "".join(json.dumps({"name": d.name, "text": d.text}) + "\n" for d in arm_docs))
+        corpora[label] = packed_corpus(tokenizer, arm_docs, args.seq_len)
+    return train_p, test_p, removed, counts, train_file, tokenizer, corpora, pause
+
+
+def packed_corpus(tokenizer, docs: list[Document], seq_len: int) -> Corpus:
+    """``docs`` tokenized and packed into rows of ``seq_len`` tokens, all for training."""
+    rows = pack(tokenize_documents(tokenizer, docs), seq_len)
+    return Corpus(tokenizer, rows, torch.empty(0, seq_len, dtype=torch.long), [d.name for d in docs], [])
 
 
 # ============================================================================================== training
 
 
-def seed_configs(args, seed: int, steps: int, train_file: str) -> dict:
-    """The runs of one seed: baseline and FBT on equal tokens, the baseline on FBT's training FLOPs reading further
-    (``baseline-flops``) and, as long, re-reading exactly the rows of FBT's ``steps`` batches (``baseline-epochs``,
-    ``--unique-batches``: the same unique tokens, its own full LR schedule with the same warm-up steps)."""
+def seed_configs(args, seed: int, steps: int, train_file: str, pause: int) -> dict:
+    """The runs of one seed: baseline and FBT (``--fbt-recipe``) on equal tokens, the baseline on FBT's training
+    FLOPs reading further (``baseline-flops``) and, as long, re-reading exactly the rows of FBT's ``steps`` batches
+    (``baseline-epochs``, ``--unique-batches``: the same unique tokens, its own full LR schedule with the same
+    warm-up steps), and the pause-token and internalization controls for FBT's training FLOPs
+    (:func:`~fullband.experiments.reasoning_controls.control_configs`)."""
     root = os.path.join(args.out, f"seed{seed}")
-    fbt = base_config(args, os.path.join(root, "fbt"), steps, train_file, seed=seed)
+    fbt = base_config(args, os.path.join(root, "fbt"), steps, train_file, seed=seed, **fbt_recipe(args))
     base = plain_config(dataclasses.replace(fbt, out=os.path.join(root, "baseline")))
     if fbt.num_passes < 2:
         raise ValueError(f"--num-passes must be >= 2 for the FBT run, got {fbt.num_passes}")
-    sched = fbt.schedule()
-    flops_steps = math.ceil(sum(sched.passes_at(i, steps) for i in range(steps)))
+    flops_steps = flops_matched_steps(fbt)  # every pass counted (a token-by-token pass as a forward)
     warm = round(base.warmup_fraction * steps)  # the same warm-up steps: the runs share a path until the decay
     flops = dataclasses.replace(base, out=os.path.join(root, "baseline-flops"), steps=flops_steps, eval_every=flops_steps,
                                 warmup_fraction=warm / flops_steps)
     epochs = dataclasses.replace(flops, out=os.path.join(root, "baseline-epochs"), unique_batches=steps)
-    cfgs = {BASELINE: base, FBT: fbt, FLOPS: flops, EPOCHS: epochs}
+    cfgs = {BASELINE: base, FBT: fbt, FLOPS: flops, EPOCHS: epochs,
+            **control_configs(base, flops_steps, root, os.path.join(args.out, "data"), pause, args.internalize_stages)}
     if args.no_flops_baseline:
         del cfgs[FLOPS]
     if args.no_epochs_baseline:
         del cfgs[EPOCHS]
-    for c in cfgs.values():
-        c.validate()
+    for c in cfgs.values():  # a later internalization stage starts from a model not trained yet
+        dataclasses.replace(c, init_from=None).validate()
     return cfgs
 
 
-def train_seed(args, cfgs: dict, corpus, say) -> float:
+def train_seed(args, cfgs: dict, corpora: dict, say) -> float:
     """Train the seed's runs unless all are finished (finished runs of the same configuration are reused); the
     seconds spent. ``baseline-flops`` branches off the baseline where their LR schedules part; ``baseline-epochs``
-    reads other batches from its first step on and is trained on its own."""
-    if all(finished(c, corpus) for c in cfgs.values()):
+    reads other batches from its first step on and is trained on its own; the controls on their own documents
+    (``corpora``: per label, the baseline's for the others), the internalization stages in order."""
+    corpus = corpora[BASELINE]
+    if all(finished(c, corpora.get(label, corpus)) for label, c in cfgs.items()):
         return 0.0
     say(f"reasoning: training {', '.join(c.out for c in cfgs.values())}")
     t = time.perf_counter()
@@ -202,13 +235,26 @@ def train_seed(args, cfgs: dict, corpus, say) -> float:
                overwrite=args.overwrite)
     if EPOCHS in cfgs:
         train_or_reuse(cfgs[EPOCHS], corpus, name="baseline-epochs (FBT's unique rows for its training FLOPs)")
+    for label in (x for x in cfgs if x == PAUSE_ARM or x.startswith(INTERN)):
+        train_or_reuse(cfgs[label], corpora[label], name=f"{label} (a control at FBT's training FLOPs)")
     return time.perf_counter() - t
 
 
 # ============================================================================================== decoding
 
 
-def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_modes: list[str], say) -> list[dict]:
+def decodes_of(label: str, styles: list[str], fbt_modes: list[str], pause: int) -> tuple[list[str], list[str], int]:
+    """A run's decode modes, styles and pause fillers: FBT every mode, the plain runs ``standard``; an
+    internalization stage ``free`` only (it was trained to drop the trace's steps, not to follow an opening); the
+    pause control after its fillers."""
+    modes = fbt_modes if label == FBT else ["standard"]
+    if label.startswith(INTERN):
+        return modes, [s for s in styles if s == "free"] or styles[:1], 0
+    return modes, styles, pause if label == PAUSE_ARM else 0
+
+
+def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_modes: list[str], pause: int,
+                say) -> list[dict]:
     """Every (model, mode, style) run of one seed, cached in ``OUT/seedN/decodes.json`` keyed by what was decoded."""
     seed = cfgs[FBT].seed
     path = os.path.join(os.path.dirname(cfgs[FBT].out), "decodes.json")
@@ -222,9 +268,11 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
     runs = []
     for label, cfg in cfgs.items():
         model = None
-        key = evaluation_key(cfg.out, **key_base)  # the decoded model's weights: a retrained one is decoded again
-        for mode in (fbt_modes if label == FBT else ["standard"]):
-            for style in styles:
+        modes, label_styles, label_pause = decodes_of(label, styles, fbt_modes, pause)
+        # the decoded model's weights: a retrained one is decoded again
+        key = evaluation_key(cfg.out, **key_base, pause=label_pause)
+        for mode in modes:
+            for style in label_styles:
                 name = f"{label}/{mode}/{style}"
                 hit = cache.get(name)
                 if hit is None or hit.get("key") != key:
@@ -233,11 +281,11 @@ def decode_seed(args, cfgs: dict, tokenizer, test_p, styles: list[str], fbt_mode
                     t = time.perf_counter()
                     recs = evaluate_reasoning(model, tokenizer, test_p, mode, args.max_new_tokens, not args.no_cot,
                                               (), args.gen_batch_size,
-                                              verbosity=None if style == "free" else style)
+                                              verbosity=None if style == "free" else style, pause=label_pause)
                     hit = cache[name] = {"key": key, "records": recs, "seconds": time.perf_counter() - t}
                     atomic_write_json(path, cache)
                 runs.append({"seed": seed, "model": label, "mode": mode, "style": style, "records": hit["records"],
-                             "seconds": hit["seconds"]})
+                             "seconds": hit["seconds"], "pause": label_pause})
     return runs
 
 
@@ -260,17 +308,18 @@ def decode_flops(mode: str, fp: dict, prompt_tokens: int, new_tokens: int) -> fl
     return inference_flops(mode, fp, P + G, P, prefill_passes=1)["flops"]
 
 
-def prompt_lengths(tokenizer, problems, styles: list[str], cot: bool) -> dict[str, list[tuple[int, int]]]:
+def prompt_lengths(tokenizer, problems, styles: list[str], cot: bool,
+                   pause: int = 0) -> dict[str, list[tuple[int, int]]]:
     """Per style, ``(prompt tokens, forced opening tokens)`` of each problem as
-    :func:`fullband.eval.reasoning.evaluate_reasoning` decodes it: the tokenized prompt with its BOS, and for a
-    forced verbosity its opening too (which the records' ``generated_tokens`` count)."""
-    texts = [format_prompt(p, (), cot) for p in problems]
+    :func:`fullband.eval.reasoning.evaluate_reasoning` decodes it: the tokenized prompt with its BOS (and ``pause``
+    fillers), and for a forced verbosity its opening too (which the records' ``generated_tokens`` count)."""
+    texts = [format_prompt(p, (), cot, pause) for p in problems]
     out = {"free": [(len(tokenizer(t)["input_ids"]), 0) for t in texts]}
     forced = [s for s in styles if s != "free"]
     if forced:
         bos = len(special_bos(tokenizer))
         plain = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-        openings = [style_openings(tokenizer, p) for p in problems]
+        openings = [style_openings(tokenizer, p, pause) for p in problems]
         out |= {s: [(bos + n + len(o[s]), len(o[s])) for n, o in zip(plain, openings)] for s in forced}
     return out
 
@@ -337,7 +386,8 @@ def table_rows(runs: list[dict]) -> list[dict]:
                      "accuracy_per_seed": [summarize(r["records"])["accuracy"] for r in group],
                      "trace_per_seed": [summarize(r["records"])["mean_trace_tokens"] for r in group],
                      "chosen": chosen, "n": len(recs), "decode_flops": cost["flops"] / cost["standard_flops"],
-                     "decode_flops_per_token": cost["flops"] / cost["generated_tokens"], "decode_sums": cost})
+                     "decode_flops_per_token": cost["flops"] / cost["generated_tokens"],
+                     "decode_flops_per_problem": cost["flops"] / len(recs), "decode_sums": cost})
     return rows
 
 
@@ -362,7 +412,7 @@ def comparisons(runs: list[dict], seeds: list[int], args) -> list[dict]:
                     continue
                 out.append({"a": f"{FBT}/{mode}", "b": f"{ref}/{ref_mode}", "style": style, "kind": kind,
                             **compare(a, b, args.seed, args.bootstrap)})
-        for longer in (FLOPS, EPOCHS):
+        for longer in (FLOPS, EPOCHS, PAUSE_ARM, INTERN):
             a, b = pick(longer, "standard", style), pick(BASELINE, "standard", style)
             if a and b:
                 out.append({"a": f"{longer}/standard", "b": f"{BASELINE}/standard", "style": style,
@@ -392,27 +442,34 @@ def run_reasoning_experiment(args) -> dict:
         raise ValueError("--no-cot trains on direct answers only: use --styles free")
     mix = parse_mix(args.verbosity_mix)
     options = {**TASK_DEFAULTS.get(args.task, {}), **parse_task_options(args.task_option)}
-    train_p, test_p, removed, counts, train_file, tokenizer, corpus = build_data(args, options, mix, say)
+    if args.internalize_stages < 0:
+        raise ValueError(f"--internalize-stages must be >= 0 (0: no internalization control), got "
+                         f"{args.internalize_stages}")
+    train_p, test_p, removed, counts, train_file, tokenizer, corpora, pause = build_data(args, options, mix, say)
     seeds = [args.seed + i for i in range(args.num_seeds)]
     runs, train_seconds = [], 0.0
-    configs = {seed: seed_configs(args, seed, steps, train_file) for seed in seeds}
-    refuse_changed_runs([c for cfgs in configs.values() for c in cfgs.values()], corpus, args.overwrite)
+    configs = {seed: seed_configs(args, seed, steps, train_file, pause) for seed in seeds}
+    for label in dict.fromkeys(x for cfgs in configs.values() for x in cfgs):
+        refuse_changed_runs([cfgs[label] for cfgs in configs.values() if label in cfgs],
+                            corpora.get(label, corpora[BASELINE]), args.overwrite)
     for seed in seeds:
         cfgs = configs[seed]
-        train_seconds += train_seed(args, cfgs, corpus, say)
-        runs += decode_seed(args, cfgs, tokenizer, test_p, styles, fbt_modes, say)
-    prompts = prompt_lengths(tokenizer, test_p, styles, not args.no_cot)
+        train_seconds += train_seed(args, cfgs, corpora, say)
+        runs += decode_seed(args, cfgs, tokenizer, test_p, styles, fbt_modes, pause, say)
+    prompts = {n: prompt_lengths(tokenizer, test_p, styles, not args.no_cot, n) for n in {0, pause}}
     fps = {label: flop_parameters(load_model(cfg.out)) for label, cfg in configs[seeds[0]].items()}
     for r in runs:  # every seed's models have the first seed's shapes
-        r["decode"] = decode_cost(r, fps[r["model"]], prompts[r["style"]])
+        r["decode"] = decode_cost(r, fps[r["model"]], prompts[r["pause"]][r["style"]])
     fbt_cfg = configs[seeds[0]][FBT]
+    corpus = corpora[BASELINE]
     res = {
         "experiment": "reasoning", "seeds": seeds,
         "config": {"task": args.task, "task_options": {k: list(v) if isinstance(v, tuple) else v
                                                         for k, v in options.items()},
                    "num_problems": len(test_p), "cot": not args.no_cot, "max_new_tokens": args.max_new_tokens,
                    "train_problems": len(train_p), "verbosity_mix": mix, "verbosity_drawn": counts,
-                   "styles": styles, "fbt_modes": fbt_modes,
+                   "styles": styles, "fbt_modes": fbt_modes, "fbt_recipe": args.fbt_recipe, "pause_tokens": pause,
+                   "internalize_stages": args.internalize_stages,
                    "test_candidates_dropped_as_training_duplicates": removed},
         "training": {"steps": steps, "tokens_per_model": steps * fbt_cfg.batch_size * fbt_cfg.seq_len,
                      "flops_steps": configs[seeds[0]][FLOPS].steps if FLOPS in configs[seeds[0]] else None,
@@ -420,16 +477,22 @@ def run_reasoning_experiment(args) -> dict:
                      "train_tokens_available": int(corpus.train_rows.numel()), "preset": fbt_cfg.preset,
                      "batch_size": fbt_cfg.batch_size, "seq_len": fbt_cfg.seq_len, "vocab_size": len(tokenizer),
                      "lr": fbt_cfg.resolved_lr(),
+                     "control_steps": {label: c.steps for label, c in configs[seeds[0]].items()
+                                       if label == PAUSE_ARM or label.startswith(INTERN)},
                      "recipe": {k: getattr(fbt_cfg, k) for k in ("fusion", "feedback_start", "num_passes",
                                                                   "deep_passes", "deep_fraction", "lr_schedule",
-                                                                  "fusion_lr_mult", "feedback_ramp")}},
+                                                                  "fusion_lr_mult", "feedback_ramp", "exact_states",
+                                                                  "grad_passes", "prefix_mix")}},
         "table": table_rows(runs),
         "comparisons": comparisons(runs, seeds, args),
+        "trace_savings": trace_savings(runs, seeds, args.internalize_stages, args.seed, args.bootstrap),
         "runs": runs,
         "train_seconds": train_seconds, "decode_seconds": sum(r["seconds"] for r in runs),
         "load_average": [load_start, load_average()], "threads": torch.get_num_threads(),
         "torch": torch.__version__, "platform": platform.platform(), "answer_marker": ANSWER_MARKER,
     }
+    res["plot"] = os.path.basename(curve_png(res["table"], args.internalize_stages, args.task,
+                                             os.path.join(args.out, "accuracy_vs_trace.png")))
     res["seconds"] = time.perf_counter() - t_all
     text = tables(res)
     write_outputs(args.out, res, markdown(res, tables(res, full=True)), text, args.json, omit=("runs",))
