@@ -281,7 +281,7 @@ def make_problems(task: str, n: int = 100, seed: int = 0, data: str | None = Non
 def trace_text(problem: Problem, verbosity: str = "full", drop: float = 0.0) -> str:
     """The chain of thought a completion of ``verbosity`` writes: the solution (``full``), the partial one
     (``partial``; the full one when the problem has none) or nothing (``direct``); ``drop`` in [0, 1] removes its
-    first ``round(drop * steps)`` steps (``"; "``-separated; all of them: no trace), as a stage of stepwise
+    first ``drop * steps`` steps (rounded half up) (``"; "``-separated; all of them: no trace), as a stage of stepwise
     internalization trains (Deng et al., *From explicit CoT to implicit CoT*)."""
     if verbosity not in VERBOSITIES:
         raise ValueError(f"unknown verbosity {verbosity!r}: choose one of {', '.join(VERBOSITIES)}")
@@ -293,7 +293,7 @@ def trace_text(problem: Problem, verbosity: str = "full", drop: float = 0.0) -> 
     if drop == 0.0 or not text:
         return text
     steps = text.rstrip(".").split("; ")
-    kept = steps[round(drop * len(steps)):]
+    kept = steps[int(drop * len(steps) + 0.5):]  # half up
     return "; ".join(kept) + "." if kept else ""
 
 
