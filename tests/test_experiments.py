@@ -247,7 +247,8 @@ def test_reasoning_smoke(tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert res["seeds"] == [0, 1] and res["training"]["flops_steps"] > res["training"]["steps"]
     keys = {(r["model"], r["mode"], r["style"]) for r in res["table"]}
-    assert len(keys) == 7 * 4 and ("FBT", "fused", "direct") in keys and ("baseline-epochs", "standard", "free") in keys
+    # baseline, FBT's 4 modes, baseline-flops / -epochs / -pause in every verbosity; the 4 internalization stages free
+    assert len(keys) == 8 * 4 + 4 and ("FBT", "fused", "direct") in keys and ("baseline-epochs", "standard", "free") in keys
     _check_reasoning_controls(out, res)
     runs = {(r["seed"], r["model"], r["mode"], r["style"]): r["records"] for r in res["runs"]}
     # a comparison over both seeds, from the per-problem records: both seeds decode the same problems, so the

@@ -176,7 +176,7 @@ def build_data(args, options: dict, mix: dict, say) -> tuple:
     corpora = {BASELINE: corpus}
     arms = ([(PAUSE_ARM, pause, 0.0, "train-pause.jsonl")] if pause else []) + [
         (stage_label(j, args.internalize_stages), 0, drop, f"train-internalize{j}.jsonl")
-        for j, drop in enumerate(stage_drops(args.internalize_stages)) if args.internalize_stages > 0]
+        for j, drop in enumerate(stage_drops(args.internalize_stages))]
     for label, n, drop, name in arms:  # the controls' own documents: the same problems and verbosities
         arm_docs, _ = training_documents(train_p, mix, args.seed, not args.no_cot, pause=n, drop=drop)
         atomic_write_text(os.path.join(data_dir, name),

@@ -48,8 +48,8 @@ def stage_label(j: int, stages: int) -> str:
 
 
 def stage_drops(stages: int) -> list[float]:
-    """The fraction of each trace's steps removed at each stage: 0, 1/S, ..., 1."""
-    return [j / stages for j in range(stages + 1)]
+    """The fraction of each trace's steps removed at each stage: 0, 1/S, ..., 1 (none without stages)."""
+    return [j / stages for j in range(stages + 1)] if stages > 0 else []
 
 
 def pause_count(requested: int | None, tokenizer, problems, texts) -> int:
