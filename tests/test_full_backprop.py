@@ -8,7 +8,6 @@ the engine's step, DDP, the CLI, the FLOP records and the refusals."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 

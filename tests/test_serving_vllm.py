@@ -474,14 +474,10 @@ def test_client_disconnect_mid_stream(ckpt, server):
     assert len(_aborted(server.log()) - before) == 1, server.log()[-3000:]
 
 
-@needs_vllm
-def test_load_concurrent_clients_stream_hang_up(ckpt, server):
-    """20 clients at once against 4 decode slots: prompts of 1-60 tokens, 8 answers whole, 6 streamed, 6 streams
-    hung up after 2 chunks (of 200 tokens). Every completed answer equals generate(soft) for its prompt, every hung-up
-    stream's tokens are a prefix of it, hung-up requests are aborted (at least one; see below), and the server
-    stays up and exact afterwards."""
-    lengths = [1, 60, 7, 33, 12, 3, 48, 20, 9, 27, 2, 55, 16, 5, 40, 11, 24, 8, 36, 14]
-    prompts = _prompts(lengths, seed=51)
+def _load(ckpt, server, prompts) -> None:
+    """20 clients at once: 8 answers whole, 6 streamed, 6 streams hung up after 2 chunks (of 200 tokens). Every
+    completed answer equals generate(soft) for its prompt, every hung-up stream's tokens are a prefix of it, hung-up
+    requests are aborted (at least one; see below), and the server stays up and exact afterwards."""
     kinds = ["whole", "stream", "hang_up", "whole", "hang_up", "stream", "whole", "stream", "hang_up", "whole"] * 2
     new = [200 if k == "hang_up" else 6 + (3 * i) % 17 for i, k in enumerate(kinds)]
     want = reference(ckpt["llama"], prompts, [n if k != "hang_up" else HANG_UP_CHECKED for n, k in zip(new, kinds)])
@@ -512,6 +508,50 @@ def test_load_concurrent_clients_stream_hang_up(ckpt, server):
     assert server.proc.poll() is None and server.healthy()
     again = complete(server.port, _completion(ckpt["llama"], prompts[1], 12))
     assert again["token_ids"] == reference(ckpt["llama"], [prompts[1]], [12])[0]
+
+
+LOAD_LENGTHS = [1, 60, 7, 33, 12, 3, 48, 20, 9, 27, 2, 55, 16, 5, 40, 11, 24, 8, 36, 14]
+
+
+@needs_vllm
+def test_load_concurrent_clients_stream_hang_up(ckpt, server):
+    """20 clients at once against 4 decode slots, prompts of 1-60 tokens (:func:`_load`)."""
+    _load(ckpt, server, _prompts(LOAD_LENGTHS, seed=51))
+
+
+TIGHT_POOL_BLOCKS = 2 * (10 + 1) + 1  # two requests of max_model_len 320 (10 blocks of 32 + 1 state page) + null
+
+
+@pytest.fixture(scope="module")
+def tight_server(ckpt):
+    """``fullband serve`` as production runs vLLM: prefix caching on, and a KV pool of two requests' blocks for 4
+    decode slots (so vLLM preempts as answers grow); its scheduler writes its statistics."""
+    port = free_port()
+    stats = ckpt["root"] / "tight.stats"
+    cmd = [sys.executable, "-m", "fullband.cli", "serve", "--model", str(ckpt["llama"]), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "320", "--max-num-seqs", "4", "--",
+           "--enforce-eager", "--enable-log-requests", "--enable-prefix-caching", "--block-size", "32",
+           "--num-gpu-blocks-override", str(TIGHT_POOL_BLOCKS)]
+    srv = Server(cmd, port, ckpt["root"] / "tight-server.log",
+                 _env(ckpt["root"], FULLBAND_VLLM_STATS=stats), TIMEOUT)
+    srv.stats = Path(f"{stats}.scheduler.json")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@needs_vllm
+def test_load_with_preemption_and_prefix_caching(ckpt, tight_server):
+    """The 20-client load (:func:`_load`) against a server with prefix caching on and a KV pool of two requests'
+    blocks: half the prompts share a 64-token prefix (2 blocks), the others are drawn on their own; every answer
+    exact, vLLM preempted requests (the scheduler's count) and served the shared prefix from its cache (hits)."""
+    shared = _prompts([64], seed=52)[0]
+    tails = _prompts(LOAD_LENGTHS, seed=53)
+    prompts = [shared + t[1:] if i % 2 == 0 else t for i, t in enumerate(tails)]
+    _load(ckpt, tight_server, prompts)
+    s = json.loads(tight_server.stats.read_text())
+    assert s["preemptions"] >= 1 and s["prefix_cache_hits"] >= 64, s
 
 
 # ----------------------------------------------------------------------------------------------- benchmark

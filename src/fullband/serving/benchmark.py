@@ -11,6 +11,12 @@ patch of a shared machine hits both sides of a pair alike; many short pairs (``-
 runs. Reported per batch size: the median of the paired ratios (goal >= 0.95) with a distribution-free confidence
 interval for that median, their spread (min, quartiles, max), whether the interval is narrow enough to conclude
 (``--max-ci-width``), and the load average (``os.getloadavg``) before and after.
+
+``--shared-prefix N`` asks instead what prefix caching buys the fullband model on a shared-system-prompt workload:
+every prompt is one N-token prefix followed by its own ``--prompt-len`` tokens, and a pair is the fullband model
+with prefix caching on and the same model with it off; reported per batch size: the median paired gain (on ÷ off)
+with its CI, and vLLM's own prefix-cache counters over the timed runs of the cached engine (hit tokens ÷ queried
+tokens, and hit tokens ÷ the shared prefix's whole blocks of every request: the goal is >= 0.80).
 """
 
 from __future__ import annotations
@@ -114,12 +120,20 @@ def build_models(out: str, d: int, layers: int, vocab: int, seed: int = 0) -> tu
     return plain, fb
 
 
+def _prefix_counters(llm) -> tuple[float, float]:
+    """vLLM's prefix-cache counters of an engine (tokens queried, tokens hit), from its own metrics."""
+    values = {m.name: getattr(m, "value", 0.0) for m in llm.get_metrics()}
+    return values.get("vllm:prefix_cache_queries", 0.0), values.get("vllm:prefix_cache_hits", 0.0)
+
+
 def benchmark_serve(args) -> dict:
     require_vllm()
     d, layers = _size(args.size)
     batches = sorted(set(args.batch_sizes))
     if not batches or batches[0] < 1 or args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1:
         raise ValueError("--batch-sizes, --prompt-len, --new-tokens and --repeats must be >= 1")
+    if args.shared_prefix < 0:
+        raise ValueError(f"--shared-prefix must be >= 0 (0: no shared prefix), got {args.shared_prefix}")
     if not 0.0 < args.confidence < 1.0 or not args.max_ci_width > 0:
         raise ValueError("--confidence must be in (0, 1) and --max-ci-width > 0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}")
@@ -131,13 +145,19 @@ def benchmark_serve(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    shared = args.shared_prefix
     engine = dict(dtype=args.dtype, enforce_eager=not args.compile, skip_tokenizer_init=True, seed=0,
-                  max_num_seqs=max(batches), max_model_len=args.prompt_len + args.new_tokens + 8,
-                  enable_prefix_caching=False)
+                  max_num_seqs=max(batches), max_model_len=shared + args.prompt_len + args.new_tokens + 8,
+                  enable_prefix_caching=False, disable_log_stats=not shared)
     load_before = os.getloadavg()
-    engines = {"fullband": LLM(model=fb_dir, **engine), "plain": LLM(model=plain_dir, **engine)}
+    if shared:  # the pair: the fullband model with prefix caching on, and off
+        engines = {"fullband": LLM(model=fb_dir, **{**engine, "enable_prefix_caching": True}),
+                   "plain": LLM(model=fb_dir, **engine)}
+    else:
+        engines = {"fullband": LLM(model=fb_dir, **engine), "plain": LLM(model=plain_dir, **engine)}
     rng = random.Random(args.seed)
-    prompts = {b: [TokensPrompt(prompt_token_ids=[1] + [rng.randrange(3, args.vocab_size)
+    head = [1] + [rng.randrange(3, args.vocab_size) for _ in range(shared - 1)] if shared else [1]
+    prompts = {b: [TokensPrompt(prompt_token_ids=head + [rng.randrange(3, args.vocab_size)
                                                          for _ in range(args.prompt_len - 1)]) for _ in range(b)]
                for b in batches}
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -153,20 +173,35 @@ def benchmark_serve(args) -> dict:
         for name in engines:
             run(name, b)
     rates = {b: {"fullband": [], "plain": []} for b in batches}
+    counters = {b: [0.0, 0.0] for b in batches}  # the cached engine's (queried, hit) tokens in the timed runs
     for r in range(args.repeats):
         for b in batches:
             for name in (("fullband", "plain") if r % 2 == 0 else ("plain", "fullband")):
+                before = _prefix_counters(engines[name]) if shared and name == "fullband" else None
                 rates[b][name].append(run(name, b))
+                if before is not None:
+                    after = _prefix_counters(engines[name])
+                    counters[b] = [counters[b][0] + after[0] - before[0], counters[b][1] + after[1] - before[1]]
     load_after = os.getloadavg()
     report = {"size": {"d_model": d, "layers": layers, "vocab": args.vocab_size}, "dtype": args.dtype,
               "enforce_eager": not args.compile, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "repeats": args.repeats, "load_average_before": load_before, "load_average_after": load_after,
-              "goal_ratio": 0.95, "batch": {}}
+              "goal_ratio": 0.95, "shared_prefix": shared, "batch": {}}
+    if shared:
+        block = engines["fullband"].llm_engine.vllm_config.cache_config.block_size
+        report.update(compared="fullband with prefix caching on / off", block_size=block, goal_ratio=None,
+                      goal_prefix_block_hits=0.80)
     for b in batches:
         row = {"fullband_tokens_per_s": statistics.median(rates[b]["fullband"]),
                "plain_tokens_per_s": statistics.median(rates[b]["plain"])}
         row.update(summarize_pairs(rates[b]["fullband"], rates[b]["plain"], args.confidence, args.max_ci_width))
         row.update(fullband_runs=rates[b]["fullband"], plain_runs=rates[b]["plain"])
+        if shared:
+            queried, hit = counters[b]
+            whole = args.repeats * b * (shared // report["block_size"]) * report["block_size"]
+            row.update(prefix_cache_queried_tokens=queried, prefix_cache_hit_tokens=hit,
+                       hit_rate=hit / queried if queried else None,
+                       prefix_block_hit_rate=hit / whole if whole else None)
         report["batch"][str(b)] = row
     for llm in engines.values():
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -181,8 +216,19 @@ def _format(report: dict) -> str:
              f"{report['dtype']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
              f"{report['repeats']} alternating pairs; load average {report['load_average_before'][0]:.2f} -> "
              f"{report['load_average_after'][0]:.2f})"]
+    if report.get("shared_prefix"):
+        lines[0] += (f"; {report['shared_prefix']}-token shared prefix: prefix caching on / off, "
+                     f"{report['block_size']}-token blocks")
     for b, row in report["batch"].items():
         verdict = row["verdict"] + (f" ({row['inconclusive_because']})" if row["inconclusive_because"] else "")
+        if report.get("shared_prefix"):
+            rate = row["prefix_block_hit_rate"]
+            lines.append(f"  batch {b:>3}: median paired gain {row['ratio']:.3f}, {row['ci_confidence']:.0%} CI "
+                         f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}] ({'conclusive' if row['conclusive'] else verdict}); prefix-cache "
+                         f"hits {row['hit_rate'] or 0:.3f} of queried tokens, {rate or 0:.3f} of the shared "
+                         f"prefix's whole blocks (goal >= {report['goal_prefix_block_hits']}); median tok/s on "
+                         f"{row['fullband_tokens_per_s']:.1f}, off {row['plain_tokens_per_s']:.1f}")
+            continue
         lines.append(f"  batch {b:>3}: median paired ratio {row['ratio']:.3f}, {row['ci_confidence']:.0%} CI "
                      f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}], spread min {row['min']:.3f} / IQR "
                      f"[{row['q1']:.3f}, {row['q3']:.3f}] / max {row['max']:.3f} -> {verdict} (goal >= "
@@ -222,6 +268,9 @@ def add_bench_parser(bench_sub) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE per engine, if unset")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="a shared-system-prompt workload: every prompt starts with one N-token prefix, and the pair "
+                        "is the fullband model with prefix caching on / off (gain and hit rates); 0: off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="where the two models are saved (default: a temporary directory)")
     p.set_defaults(func=_run)
