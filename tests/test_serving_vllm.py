@@ -474,12 +474,12 @@ def test_client_disconnect_mid_stream(ckpt, server):
     assert len(_aborted(server.log()) - before) == 1, server.log()[-3000:]
 
 
-def _load(ckpt, server, prompts) -> None:
+def _load(ckpt, server, prompts, hang_up_tokens: int = 200) -> None:
     """20 clients at once: 8 answers whole, 6 streamed, 6 streams hung up after 2 chunks (of 200 tokens). Every
     completed answer equals generate(soft) for its prompt, every hung-up stream's tokens are a prefix of it, hung-up
     requests are aborted (at least one; see below), and the server stays up and exact afterwards."""
     kinds = ["whole", "stream", "hang_up", "whole", "hang_up", "stream", "whole", "stream", "hang_up", "whole"] * 2
-    new = [200 if k == "hang_up" else 6 + (3 * i) % 17 for i, k in enumerate(kinds)]
+    new = [hang_up_tokens if k == "hang_up" else 6 + (3 * i) % 17 for i, k in enumerate(kinds)]
     want = reference(ckpt["llama"], prompts, [n if k != "hang_up" else HANG_UP_CHECKED for n, k in zip(new, kinds)])
     before = _aborted(server.log())
     barrier = threading.Barrier(len(prompts))
@@ -494,7 +494,7 @@ def _load(ckpt, server, prompts) -> None:
     for i, (r, k, w) in enumerate(zip(results, kinds, want)):
         assert r["status"] == 200, (i, r)
         if k == "hang_up":  # the server may have merged tokens into a chunk: check the first HANG_UP_CHECKED
-            assert not r["done"] and 2 <= len(r["token_ids"]) < 200, (i, r)
+            assert not r["done"] and 2 <= len(r["token_ids"]) < hang_up_tokens, (i, r)
             assert r["token_ids"][:HANG_UP_CHECKED] == w[:len(r["token_ids"])], (i, r, w)
         else:
             assert r["token_ids"] == w, (i, k, r, w)
@@ -519,17 +519,18 @@ def test_load_concurrent_clients_stream_hang_up(ckpt, server):
     _load(ckpt, server, _prompts(LOAD_LENGTHS, seed=51))
 
 
-TIGHT_POOL_BLOCKS = 2 * (10 + 1) + 1  # two requests of max_model_len 320 (10 blocks of 32 + 1 state page) + null
+TIGHT_POOL_BLOCKS = (8 + 1) + 1 + 2  # one request of max_model_len 256 (8 blocks of 32 + 1 state page), null, 2 more
 
 
 @pytest.fixture(scope="module")
 def tight_server(ckpt):
     """``fullband serve`` as production runs vLLM: prefix caching on, and a KV pool of two requests' blocks for 4
-    decode slots (so vLLM preempts as answers grow); its scheduler writes its statistics."""
+    decode slots (one request at full length and two blocks more: vLLM preempts as answers grow); its scheduler
+    writes its statistics."""
     port = free_port()
     stats = ckpt["root"] / "tight.stats"
     cmd = [sys.executable, "-m", "fullband.cli", "serve", "--model", str(ckpt["llama"]), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "320", "--max-num-seqs", "4", "--",
+           "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--",
            "--enforce-eager", "--enable-log-requests", "--enable-prefix-caching", "--block-size", "32",
            "--num-gpu-blocks-override", str(TIGHT_POOL_BLOCKS)]
     srv = Server(cmd, port, ckpt["root"] / "tight-server.log",
@@ -543,13 +544,14 @@ def tight_server(ckpt):
 
 @needs_vllm
 def test_load_with_preemption_and_prefix_caching(ckpt, tight_server):
-    """The 20-client load (:func:`_load`) against a server with prefix caching on and a KV pool of two requests'
-    blocks: half the prompts share a 64-token prefix (2 blocks), the others are drawn on their own; every answer
+    """The 20-client load (:func:`_load`; hung-up streams of 120 tokens, to fit the 256-token context) against a
+    server with prefix caching on and a KV pool of one full-length request's blocks and two more: half the prompts
+    (the hung-up ones among them) share a 64-token prefix (2 blocks), the others are drawn on their own; every answer
     exact, vLLM preempted requests (the scheduler's count) and served the shared prefix from its cache (hits)."""
     shared = _prompts([64], seed=52)[0]
     tails = _prompts(LOAD_LENGTHS, seed=53)
     prompts = [shared + t[1:] if i % 2 == 0 else t for i, t in enumerate(tails)]
-    _load(ckpt, tight_server, prompts)
+    _load(ckpt, tight_server, prompts, hang_up_tokens=120)
     s = json.loads(tight_server.stats.read_text())
     assert s["preemptions"] >= 1 and s["prefix_cache_hits"] >= 64, s
 
