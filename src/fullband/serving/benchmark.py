@@ -150,9 +150,10 @@ def benchmark_serve(args) -> dict:
                   max_num_seqs=max(batches), max_model_len=shared + args.prompt_len + args.new_tokens + 8,
                   enable_prefix_caching=False, disable_log_stats=not shared)
     load_before = os.getloadavg()
-    if shared:  # the pair: the fullband model with prefix caching on, and off
-        engines = {"fullband": LLM(model=fb_dir, **{**engine, "enable_prefix_caching": True}),
-                   "plain": LLM(model=fb_dir, **engine)}
+    if shared:  # the pair: the fullband model with prefix caching off, and on (built last, with vLLM's metrics:
+        # a new engine's metrics logger unregisters the process's earlier vLLM metrics)
+        uncached = LLM(model=fb_dir, **{**engine, "disable_log_stats": True})
+        engines = {"fullband": LLM(model=fb_dir, **{**engine, "enable_prefix_caching": True}), "plain": uncached}
     else:
         engines = {"fullband": LLM(model=fb_dir, **engine), "plain": LLM(model=plain_dir, **engine)}
     rng = random.Random(args.seed)
