@@ -577,3 +577,20 @@ def test_bench_serve_runs_once_at_tiny_size(tmp_path):
             {k: v for k, v in summarize_pairs(fb, pl).items() if k in ("ratio", "ci_low", "ci_high", "min", "max",
                                                                          "verdict")})
         assert (row["ci_low"], row["ci_high"]) == (min(row["paired_ratios"]), max(row["paired_ratios"]))
+
+
+@needs_vllm
+def test_bench_serve_shared_prefix_counts_the_prefix_hits(tmp_path):
+    """--shared-prefix 256 with vLLM's 128-token CPU blocks: 2 requests of 256 + 4 tokens, 2 timed pairs: after the
+    warm-up every request's 2 whole prefix blocks come from the cache (vLLM's own counters, cached engine only:
+    hit tokens = 2 runs x 2 requests x 256 of 2 x 2 x 259 queried)."""
+    proc = subprocess.run([sys.executable, "-m", "fullband.cli", "bench", "serve", "--json", "--size", "d64l2",
+                           "--vocab-size", "512", "--batch-sizes", "2", "--prompt-len", "4", "--new-tokens", "2",
+                           "--repeats", "2", "--shared-prefix", "256", "--out", str(tmp_path / "bench")],
+                          capture_output=True, text=True, timeout=2 * TIMEOUT, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    row = report["batch"]["2"]
+    assert report["block_size"] == 128 and report["shared_prefix"] == 256
+    assert row["prefix_cache_hit_tokens"] == 2 * 2 * 256 and row["prefix_block_hit_rate"] == 1.0, row
+    assert row["prefix_cache_queried_tokens"] == 2 * 2 * 259, row  # vLLM looks up all but a prompt's last token
