@@ -1,4 +1,5 @@
-"""Statistics of ``fullband bench serve`` (:func:`fullband.serving.benchmark.summarize_pairs`) on known inputs.
+"""Statistics of ``fullband bench serve`` (:func:`fullband.serving.benchmark.summarize_pairs`) on known inputs, and
+its ``--profile`` op table (read back from a table torch's own profiler printed) and Markdown report.
 
 References are worked out by hand from the definitions: the median of the paired ratios, the distribution-free
 interval ``[x_(k), x_(n+1-k)]`` whose miss probability is ``2 · P(Binomial(n, 1/2) <= k - 1)``, and quartiles by
@@ -10,8 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from fullband.serving.benchmark import summarize_pairs
+from fullband.serving.benchmark import markdown_tables, read_profile_table, summarize_pairs
 
 
 def pairs(ratios, seed=0):
@@ -90,3 +93,42 @@ def test_bad_input(fb, pl, msg):
         summarize_pairs(fb, pl)
     with pytest.raises(ValueError, match="confidence"):
         summarize_pairs([1.0], [1.0], confidence=1.0)
+
+
+def test_profile_table_is_read_back_from_torch_profilers_own_table(tmp_path):
+    """The table is the one vLLM writes (``key_averages().table(sort_by="self_cpu_time_total", row_limit=50)``);
+    every row read back matches the profiler's own averages: name, calls, self CPU time to the table's rounding."""
+    x, w = torch.randn(16, 64), torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(7):
+            torch.relu(x @ w).sum()
+    averages = prof.key_averages()
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "rank0.profiler_out.txt").write_text(
+        averages.table(sort_by="self_cpu_time_total", row_limit=50))
+    got = read_profile_table(str(tmp_path / "engine"))
+    truth = {e.key: e for e in averages}
+    assert {"aten::mm", "aten::relu", "aten::sum"} <= {name for name, _, _ in got["ops"]}
+    for name, us, calls in got["ops"]:
+        assert calls == truth[name].count
+        assert us == pytest.approx(truth[name].self_cpu_time_total, rel=0.01, abs=0.01)
+    assert got["ops"][0][1] == max(us for _, us, _ in got["ops"])  # in the table's order
+    assert got["self_cpu_total_us"] == pytest.approx(sum(e.self_cpu_time_total for e in averages), rel=0.01)
+    with pytest.raises(RuntimeError, match="no op table"):
+        read_profile_table(str(tmp_path / "missing"))
+
+
+def test_markdown_report_rows_and_profile_per_step():
+    fb, pl = pairs([0.99] * 6 + [1.01] * 6)
+    row = {"fullband_tokens_per_s": 990.0, "plain_tokens_per_s": 1000.0, **summarize_pairs(fb, pl)}
+    report = {"size": {"d_model": 256, "layers": 4, "vocab": 4096}, "dtype": "float32", "enforce_eager": True,
+              "prompt_len": 32, "new_tokens": 32, "repeats": 12, "load_average_before": [1.0, 0, 0],
+              "load_average_after": [2.0, 0, 0], "batch": {"16": row},
+              "profile": {"batch": 16, "steps": 32, "engines": {
+                  "fullband": {"self_cpu_total_us": 3200.0, "ops": [["aten::mm", 640.0, 32], ["aten::where", 64.0, 32]]},
+                  "plain": {"self_cpu_total_us": 2880.0, "ops": [["aten::mm", 320.0, 32]]}}}}
+    text = markdown_tables(report)
+    assert "| 16 | 990.0 | 1000.0 | 1.000 | [0.990, 1.010] |" in text and "meets goal" in text
+    assert "| `aten::mm` | 20.0 | 1.0 | 10.0 | 1.0 |" in text  # 640 µs over 32 steps, against 320
+    assert "| `aten::where` | 2.0 | 1.0 | - | - |" in text
+    assert "| **all ops (self CPU time)** | 100.0 | | 90.0 | |" in text

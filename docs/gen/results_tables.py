@@ -35,6 +35,7 @@ import sys
 import tempfile
 
 from fullband.experiments import data_efficiency, depth, quickstart, quickstart_state, reasoning_report, state_report
+from fullband.serving import benchmark as serve_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "docs", "results")
@@ -79,8 +80,15 @@ def _render_reasoning(res: dict) -> str:
     return reasoning_report.tables(res, full=True)
 
 
-# renderer -> (function, the module whose import closure produced the numbers, results keys no table reads)
+def _render_bench_serve(res: dict) -> str:
+    return serve_bench.markdown_tables(res)
+
+
+# renderer -> (function, the module(s) whose import closure produced the numbers, results keys no table reads);
+# bench-serve's numbers also come from the model and scheduler vLLM imports in its engine process
 RENDERERS = {
+    "bench-serve": (_render_bench_serve, ("fullband.serving.benchmark", "fullband.serving.vllm_model",
+                                          "fullband.serving.scheduling", "fullband.serving.plugin"), ()),
     "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
     "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ()),
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
@@ -95,8 +103,8 @@ TRIM = {name: spec[2] for name, spec in RENDERERS.items()}
 # FSDP plumbing, metrics logging, prepared-data shards, the device picker; utils/ except the statistics
 PLUMBING = {"training/checkpoint.py", "training/distributed.py", "training/sharded.py", "training/metrics.py",
             "training/device.py", "model/sharding.py", "data/shards.py", "training/__init__.py",
-            "experiments/__init__.py"}
-SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "utils/stats.py")
+            "experiments/__init__.py", "serving/commands.py", "serving/__init__.py"}
+SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "serving/", "utils/stats.py")
 
 
 # ---- git
@@ -153,10 +161,11 @@ def _module_path(module: str) -> str | None:
     return None
 
 
-def default_sources(module: str) -> list[str]:
-    """The fullband modules ``module`` imports, transitively (read with :mod:`ast`, nothing imported), that compute
-    numbers: under experiments/, eval/, model/, training/, data/ and utils/stats.py, less :data:`PLUMBING`."""
-    seen, todo = set(), [module]
+def default_sources(module: str | tuple[str, ...]) -> list[str]:
+    """The fullband modules ``module`` (one or several) imports, transitively (read with :mod:`ast`, nothing
+    imported), that compute numbers: under experiments/, eval/, model/, training/, data/, serving/ and
+    utils/stats.py, less :data:`PLUMBING`."""
+    seen, todo = set(), [module] if isinstance(module, str) else list(module)
     while todo:
         mod = todo.pop()
         path = _module_path(mod)
@@ -383,6 +392,8 @@ def import_run(src: str, name: str, command: str, commit: str, commit_note: str 
     date, date_source = mtime.strftime("%Y-%m-%d %H:%M UTC"), "mtime of the run's results.json"
     if prov.get("date"):
         date, date_source = str(prov["date"]), "results.json's provenance"
+    if load is None and "load_average_before" in res:  # fullband bench serve: os.getloadavg() before and after
+        load = f"{res['load_average_before'][0]:.2f},{res['load_average_after'][0]:.2f}"
     seed = res.get("seed", res.get("settings", {}).get("seed"))  # one-seed experiments (depth) keep it in settings
     seeds = res.get("seeds", [seed] if seed is not None else [])
     meta = {"name": name, "renderer": renderer, "command": command, "commit": resolve_commit(commit),

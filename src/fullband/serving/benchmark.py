@@ -17,6 +17,11 @@ every prompt is one N-token prefix followed by its own ``--prompt-len`` tokens, 
 with prefix caching on and the same model with it off; reported per batch size: the median paired gain (on ÷ off)
 with its CI, and vLLM's own prefix-cache counters over the timed runs of the cached engine (hit tokens ÷ queried
 tokens, and hit tokens ÷ the shared prefix's whole blocks of every request: the goal is >= 0.80).
+
+``--profile DIR`` then profiles one run of each engine at the largest batch with vLLM's own torch profiler
+(``profiler_config``; set only with the flag): the engine-core process writes its op table, sorted by self CPU
+time, and a trace under ``DIR/<engine>/``. :func:`markdown_tables` renders a report for the docs'
+generated results (``docs/gen/results_tables.py``, renderer ``bench-serve``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
 
@@ -149,13 +155,23 @@ def benchmark_serve(args) -> dict:
     engine = dict(dtype=args.dtype, enforce_eager=not args.compile, skip_tokenizer_init=True, seed=0,
                   max_num_seqs=max(batches), max_model_len=shared + args.prompt_len + args.new_tokens + 8,
                   enable_prefix_caching=False, disable_log_stats=not shared)
-    load_before = os.getloadavg()
+    profile = os.path.abspath(args.profile) if args.profile else None
+
+    def settings(name: str, **more) -> dict:
+        if profile:
+            more["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": os.path.join(profile, name),
+                                       "torch_profiler_with_stack": False}  # ops only, no Python frames
+        return {**engine, **more}
+
+    load_before, started = os.getloadavg(), time.perf_counter()
     if shared:  # the pair: the fullband model with prefix caching off, and on (built last, with vLLM's metrics:
         # a new engine's metrics logger unregisters the process's earlier vLLM metrics)
-        uncached = LLM(model=fb_dir, **{**engine, "disable_log_stats": True})
-        engines = {"fullband": LLM(model=fb_dir, **{**engine, "enable_prefix_caching": True}), "plain": uncached}
+        uncached = LLM(model=fb_dir, **settings("plain", disable_log_stats=True))
+        engines = {"fullband": LLM(model=fb_dir, **settings("fullband", enable_prefix_caching=True)),
+                   "plain": uncached}
     else:
-        engines = {"fullband": LLM(model=fb_dir, **engine), "plain": LLM(model=plain_dir, **engine)}
+        engines = {"fullband": LLM(model=fb_dir, **settings("fullband")),
+                   "plain": LLM(model=plain_dir, **settings("plain"))}
     rng = random.Random(args.seed)
     head = [1] + [rng.randrange(3, args.vocab_size) for _ in range(shared - 1)] if shared else [1]
     prompts = {b: [TokensPrompt(prompt_token_ids=head + [rng.randrange(3, args.vocab_size)
@@ -184,10 +200,20 @@ def benchmark_serve(args) -> dict:
                     after = _prefix_counters(engines[name])
                     counters[b] = [counters[b][0] + after[0] - before[0], counters[b][1] + after[1] - before[1]]
     load_after = os.getloadavg()
+    profiles = {}
+    if profile:  # after the timed runs, so the profiler's overhead touches none of them
+        for name, llm in engines.items():
+            llm.start_profile()
+            run(name, batches[-1])
+            llm.stop_profile()
+            profiles[name] = read_profile_table(os.path.join(profile, name))
     report = {"size": {"d_model": d, "layers": layers, "vocab": args.vocab_size}, "dtype": args.dtype,
               "enforce_eager": not args.compile, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "repeats": args.repeats, "load_average_before": load_before, "load_average_after": load_after,
-              "goal_ratio": 0.95, "shared_prefix": shared, "batch": {}}
+              "goal_ratio": 0.95, "shared_prefix": shared, "threads": torch.get_num_threads(),
+              "seconds": time.perf_counter() - started, "batch": {}}
+    if profile:
+        report["profile"] = {"dir": profile, "batch": batches[-1], "steps": args.new_tokens, "engines": profiles}
     if shared:
         block = engines["fullband"].llm_engine.vllm_config.cache_config.block_size
         report.update(compared="fullband with prefix caching on / off", block_size=block, goal_ratio=None,
@@ -238,8 +264,95 @@ def _format(report: dict) -> str:
     return "\n".join(lines)
 
 
+_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
+
+
+def read_profile_table(directory: str) -> dict:
+    """The op table vLLM's torch profiler wrote under ``directory`` (``*.profiler_out.txt``, sorted by self CPU
+    time): ``{"self_cpu_total_us": ..., "ops": [[name, self CPU µs, calls], ...]}`` in its order."""
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".profiler_out.txt")) if os.path.isdir(
+        directory) else []
+    if not files:
+        raise RuntimeError(f"vLLM's profiler wrote no op table under {directory}")
+    ops, total = [], None
+    with open(os.path.join(directory, files[-1]), encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r"Self CPU time total:\s*([\d.]+)\s*(\w+)", line.strip())
+            if m:
+                total = float(m.group(1)) * _UNITS[m.group(2)]
+                continue
+            cells = re.split(r"\s{2,}", line.strip())
+            if len(cells) == 7 and cells[0] != "Name":
+                t = re.fullmatch(r"([\d.]+)(s|ms|us|ns)", cells[2])
+                if t and cells[6].isdigit():
+                    ops.append([cells[0], float(t.group(1)) * _UNITS[t.group(2)], int(cells[6])])
+    return {"self_cpu_total_us": total, "ops": ops}
+
+
+def _profile_table(prof: dict, rows: int = 12) -> str:
+    """Per engine step, the first engine's top ops by self CPU time next to the second's, and every op of the first
+    that the second's table lacks ("-": not run, or below its top 50)."""
+    engines = list(prof["engines"])
+    a, b = (prof["engines"][n] for n in engines)
+    ops_b = {op[0]: op for op in b["ops"]}
+    steps = prof["steps"]
+    chosen = a["ops"][:rows] + [op for op in a["ops"][rows:] if op[0] not in ops_b]
+    lines = [f"| op | {engines[0]} µs / step | calls / step | {engines[1]} µs / step | calls / step |",
+             "|---|---:|---:|---:|---:|"]
+    for name, us, calls in chosen:
+        other = ops_b.get(name)
+        theirs = f"{other[1] / steps:.1f} | {other[2] / steps:.1f}" if other else "- | -"
+        lines.append(f"| `{name}` | {us / steps:.1f} | {calls / steps:.1f} | {theirs} |")
+    lines.append(f"| **all ops (self CPU time)** | {a['self_cpu_total_us'] / steps:.1f} | | "
+                 f"{b['self_cpu_total_us'] / steps:.1f} | |")
+    return (f"vLLM's torch profiler, one run at batch {prof['batch']} ({steps} new tokens a request, so {steps} engine steps: "
+            f"the prefill's and {steps - 1} decode steps; self CPU µs per step; vLLM writes the top 50 ops only, so "
+            f"'-' is an op the other engine did not run or ran below its top 50):\n\n" + "\n".join(lines))
+
+
+def markdown_tables(report: dict) -> str:
+    """A report of :func:`benchmark_serve` as Markdown: the settings in a sentence, then a table a batch size."""
+    s = report["size"]
+    head = (f"d{s['d_model']} L{s['layers']}, vocab {s['vocab']}, {report['dtype']}, "
+            f"{'eager' if report['enforce_eager'] else 'vLLM-compiled'}, prompt {report['prompt_len']} tokens, "
+            f"{report['new_tokens']} new tokens, {report['repeats']} alternating pairs a batch size; load average "
+            f"{report['load_average_before'][0]:.2f} before, {report['load_average_after'][0]:.2f} after.")
+    if report.get("shared_prefix"):
+        head = (f"{report['shared_prefix']}-token shared prefix, prefix caching on ÷ off for the fullband model "
+                f"({report['block_size']}-token blocks); " + head)
+        rows = ["| batch | tok/s on | tok/s off | median paired gain | 95% CI | hits / queried tokens | "
+                "hits / shared prefix's whole blocks (goal >= 0.80) |", "|---:|---:|---:|---:|---|---:|---:|"]
+        for b, r in report["batch"].items():
+            rows.append(f"| {b} | {r['fullband_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                        f"{r['ratio']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['hit_rate'] or 0:.3f} | "
+                        f"{r['prefix_block_hit_rate'] or 0:.3f} |")
+    else:
+        head = "Fullband model ÷ its plain backbone, both through vLLM; " + head
+        rows = ["| batch | fullband tok/s | plain tok/s | median paired ratio | 95% CI | min / IQR / max | "
+                "verdict (goal >= 0.95) |", "|---:|---:|---:|---:|---|---|---|"]
+        for b, r in report["batch"].items():
+            verdict = r["verdict"] + (f" ({r['inconclusive_because']})" if r["inconclusive_because"] else "")
+            rows.append(f"| {b} | {r['fullband_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                        f"{r['ratio']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['min']:.3f} / "
+                        f"[{r['q1']:.3f}, {r['q3']:.3f}] / {r['max']:.3f} | {verdict} |")
+    text = head + "\n\n" + "\n".join(rows)
+    if report.get("profile"):
+        text += "\n\n" + _profile_table(report["profile"])
+    return text
+
+
 def _run(args) -> int:
-    report = benchmark_serve(args)
+    # stdout carries the report only: vLLM's engine processes, which inherit this process's file descriptors, print
+    # to theirs (the profiler prints its op table there), so fd 1 points at stderr while they live
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        report = benchmark_serve(args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     print(json.dumps(report, indent=2) if args.json else _format(report))
     return 0
 
@@ -274,4 +387,7 @@ def add_bench_parser(bench_sub) -> None:
                         "is the fullband model with prefix caching on / off (gain and hit rates); 0: off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="where the two models are saved (default: a temporary directory)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed runs, profile one run of each engine at the largest batch with vLLM's "
+                        "torch profiler: op tables (self CPU time) and traces under DIR/fullband, DIR/plain")
     p.set_defaults(func=_run)

@@ -228,7 +228,7 @@ class ServingFusion(nn.Module):
     def forward(self, h: torch.Tensor, e: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         h = h.to(e.dtype)
         if self.needs_gate_table:
-            v = F.linear(h, self.value_proj.weight) * self.gate_table[tokens]
+            v = F.linear(h, self.value_proj.weight) * F.embedding(tokens, self.gate_table)
             u = F.rms_norm(v, (self.embed_dim,), self.out_norm.weight, eps=self.eps)
             return e + u if self.kind == "residual" else u
         if self.kind == "concat":
@@ -318,7 +318,7 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
             if meta.num_fused:
                 tokens = input_ids[rows]  # never None: prompt embeddings are refused at startup
                 e = inputs_embeds[rows]
-                fused = self.feedback(state[meta.fused_slots], e, tokens)
+                fused = self.feedback(state.index_select(0, meta.fused_slots), e, tokens)
                 if self.doc_start is not None:
                     fused = torch.where((tokens == self.doc_start).unsqueeze(-1), e, fused)
                 if meta.num_fused == inputs_embeds.shape[0]:  # every token fused (a decode-only step): no copy
@@ -332,7 +332,7 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
             hidden = self._jacobi_passes(meta.jacobi_rows, input_ids, positions, intermediate_tensors,
                                          inputs_embeds, hidden)
         if meta is not None and state.numel():
-            state[meta.last_slots] = hidden[meta.last_rows].to(state.dtype)
+            state.index_copy_(0, meta.last_slots, hidden[meta.last_rows].to(state.dtype))
             if self._stats_path:
                 self._record(meta)
         return hidden
