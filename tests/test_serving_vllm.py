@@ -563,10 +563,19 @@ def test_load_with_preemption_and_prefix_caching(ckpt, tight_server):
 def test_bench_serve_runs_once_at_tiny_size(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fullband.cli", "bench", "serve", "--json", "--size", "d64l2",
                            "--vocab-size", "512", "--batch-sizes", "1,4", "--prompt-len", "8", "--new-tokens", "8",
-                           "--repeats", "6", "--out", str(tmp_path / "bench")],
+                           "--repeats", "6", "--out", str(tmp_path / "bench"), "--profile", str(tmp_path / "prof")],
                           capture_output=True, text=True, timeout=2 * TIMEOUT, env=_env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report = json.loads(proc.stdout)  # stdout is the report alone, though the engines' profilers print their tables
+    # --profile: vLLM's op table of each engine, read back; the state write (index_copy_) is the fullband model's
+    # alone, the backbone's attention both engines'
+    prof = report["profile"]["engines"]
+    ops = {name: {op for op, _, _ in prof[name]["ops"]} for name in ("fullband", "plain")}
+    assert "aten::index_copy_" in ops["fullband"] and "aten::index_copy_" not in ops["plain"]
+    assert "_C::cpu_attention_with_kv_cache" in ops["fullband"] & ops["plain"]
+    for name in prof:
+        assert sum(us for _, us, _ in prof[name]["ops"]) <= prof[name]["self_cpu_total_us"] * 1.001
+        assert any(f.endswith(".profiler_out.txt") for f in os.listdir(tmp_path / "prof" / name))
     for b in ("1", "4"):
         row = report["batch"][b]
         fb, pl = row["fullband_runs"], row["plain_runs"]
