@@ -221,6 +221,23 @@ def _git(repo, *args):
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_bench_serve_sources_follow_the_served_model():
+    """bench-serve's numbers come from the model and scheduler vLLM imports in its engine process, not from the
+    benchmark's own import closure: its sources (and so its STALE banner) include them, never the serve command."""
+    rt = _load("results_tables")
+    sources = rt.default_sources(rt.RENDERERS["bench-serve"][1])
+    assert {"src/fullband/serving/benchmark.py", "src/fullband/serving/vllm_model.py",
+            "src/fullband/serving/scheduling.py", "src/fullband/serving/config.py",
+            "src/fullband/model/modeling.py"} <= set(sources)
+    assert "src/fullband/serving/commands.py" not in sources
+    # the benchmark module alone does not reach the served model: the renderer's several modules are what does
+    assert "src/fullband/serving/vllm_model.py" not in rt.default_sources("fullband.serving.benchmark")
+    for name in rt.runs():
+        meta = json.load(open(os.path.join(rt.RESULTS, name, "meta.json")))
+        if meta["renderer"] == "bench-serve":
+            assert "src/fullband/serving/vllm_model.py" in meta["sources"], name
+
+
 def test_stale_banner_marks_a_changed_source_only(tmp_path, monkeypatch):
     rt = _load("results_tables")
     repo = tmp_path / "repo"
