@@ -552,8 +552,24 @@ def test_load_with_preemption_and_prefix_caching(ckpt, tight_server):
     tails = _prompts(LOAD_LENGTHS, seed=53)
     prompts = [shared + t[1:] if i % 2 == 0 else t for i, t in enumerate(tails)]
     _load(ckpt, tight_server, prompts, hang_up_tokens=120)
+    # whether the load above preempts depends on how soon the hung-up streams are aborted (CI once saw none): then
+    # 3 clients at once, each to run whole to 230 tokens (8 blocks) -- any two of them outgrow the 11-block pool, so
+    # vLLM must preempt one and recompute its tokens, and every answer must still be generate(soft)'s
+    long_prompts = _prompts([30, 24, 18], seed=54)
+    new = [200, 206, 212]
+    want = reference(ckpt["llama"], long_prompts, new)
+    barrier = threading.Barrier(len(long_prompts))
+
+    def client(i):
+        body = _completion(ckpt["llama"], long_prompts[i], new[i])
+        barrier.wait(timeout=60)
+        return complete(tight_server.port, body, timeout=600)
+
+    with ThreadPoolExecutor(len(long_prompts)) as pool:
+        got = list(pool.map(client, range(len(long_prompts))))
+    assert [r["token_ids"] for r in got] == want
     s = json.loads(tight_server.stats.read_text())
-    assert s["preemptions"] >= 1 and s["prefix_cache_hits"] >= 64, s
+    assert s["preemptions"] >= 1 and s["recomputed_generated_tokens"] >= 1 and s["prefix_cache_hits"] >= 64, s
 
 
 # ----------------------------------------------------------------------------------------------- benchmark
