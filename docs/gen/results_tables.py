@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 
+from fullband.commands import bench_train
 from fullband.experiments import data_efficiency, depth, quickstart, quickstart_state, reasoning_report, state_report
 from fullband.serving import benchmark as serve_bench
 
@@ -84,11 +85,17 @@ def _render_bench_serve(res: dict) -> str:
     return serve_bench.markdown_tables(res)
 
 
+def _render_bench_train(res: dict) -> str:
+    """Several ``fullband bench train`` reports collected by ``docs/gen/collect_runs.py``."""
+    return bench_train.markdown_reports(res)
+
+
 # renderer -> (function, the module(s) whose import closure produced the numbers, results keys no table reads);
 # bench-serve's numbers also come from the model and scheduler vLLM imports in its engine process
 RENDERERS = {
     "bench-serve": (_render_bench_serve, ("fullband.serving.benchmark", "fullband.serving.vllm_model",
                                           "fullband.serving.scheduling", "fullband.serving.plugin"), ()),
+    "bench-train": (_render_bench_train, "fullband.commands.bench_train", ()),
     "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
     "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ()),
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
@@ -104,7 +111,8 @@ TRIM = {name: spec[2] for name, spec in RENDERERS.items()}
 PLUMBING = {"training/checkpoint.py", "training/distributed.py", "training/sharded.py", "training/metrics.py",
             "training/device.py", "model/sharding.py", "data/shards.py", "training/__init__.py",
             "experiments/__init__.py", "serving/commands.py", "serving/__init__.py"}
-SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "serving/", "utils/stats.py")
+SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "serving/", "utils/stats.py",
+               "commands/bench_train.py")
 
 
 # ---- git
@@ -164,7 +172,7 @@ def _module_path(module: str) -> str | None:
 def default_sources(module: str | tuple[str, ...]) -> list[str]:
     """The fullband modules ``module`` (one or several) imports, transitively (read with :mod:`ast`, nothing
     imported), that compute numbers: under experiments/, eval/, model/, training/, data/, serving/ and
-    utils/stats.py, less :data:`PLUMBING`."""
+    utils/stats.py, and the benchmark modules in :data:`SOURCE_DIRS`, less :data:`PLUMBING`."""
     seen, todo = set(), [module] if isinstance(module, str) else list(module)
     while todo:
         mod = todo.pop()

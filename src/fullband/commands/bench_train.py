@@ -35,6 +35,8 @@ from ..training.engine import forward_backward, prepare_layers
 from ..training.optimizer import build_optimizer
 from ..training.presets import backbone_config
 
+SEED = 0  # the random tokens' and every case's initial weights (each case starts from the same model)
+
 
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -87,8 +89,8 @@ def benchmark_train(args) -> dict:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(SEED)
+    g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(3, vocab, (batch, seq), generator=g)
     ids[:, 0] = 1
     ids = ids.to(device)
@@ -118,7 +120,7 @@ def benchmark_train(args) -> dict:
     cfg = TrainConfig(out="-", preset=preset)
     setups = {}
     for label, K, detach, levers in cases:
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         backbone = AutoModelForCausalLM.from_config(backbone_config(preset, vocab, bos_token_id=1, eos_token_id=2,
                                                                     pad_token_id=0, max_position_embeddings=max(2048, seq)))
         model = FullBandwidthForCausalLM.from_backbone(backbone, doc_start_token_id=1, detach_state=detach).to(device).train()
@@ -184,7 +186,7 @@ def benchmark_train(args) -> dict:
                    for label, K, detach, levers in cases}
         return {"preset": preset, "batch_size": batch, "seq_len": seq, "vocab_size": vocab, "device": str(device),
                 "precision": precision, "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup,
-                "memory": True, "mmap_big_blocks": tuned, "results": results,
+                "seed": SEED, "memory": True, "mmap_big_blocks": tuned, "results": results,
                 "load_average": [load_before, load_average()]}
     # rounds of one step per case, interleaved, so that a change in machine load hits every case alike
     times = {label: [] for label, *_ in cases}
@@ -213,7 +215,7 @@ def benchmark_train(args) -> dict:
     ratio = results["K2"]["step_s"] / results["K1"]["step_s"]
     return {"preset": preset, "batch_size": batch, "seq_len": seq, "vocab_size": vocab, "device": str(device),
             "precision": precision, "threads": torch.get_num_threads(), "steps": steps, "warmup": warmup,
-            "allocator_tuned": tuned, "load_average": [load_before, load_average()],
+            "seed": SEED, "allocator_tuned": tuned, "load_average": [load_before, load_average()],
             "results": results, "ratio_K2_K1": ratio,
             "ratio_K2_detach_K1": results["K2_detach"]["step_s"] / results["K1"]["step_s"],
             "goal_ratio_K2_K1": 2.1, "meets_goal": ratio <= 2.1}
@@ -240,4 +242,50 @@ def format_benchmark(res: dict) -> str:
                      f"{r['flops_vs_K1']:.2f} | {cpu:.2f} | {gain} |")
     lines += ["", f"K=2 / K=1 = {res['ratio_K2_K1']:.2f} (goal <= {res['goal_ratio_K2_K1']}: "
                   f"{'met' if res['meets_goal'] else 'NOT met'}); K=2 detached / K=1 = {res['ratio_K2_detach_K1']:.2f}"]
+    return "\n".join(lines)
+
+
+EXACT_GOALS = {"flops_vs_K1": 3.0, "cpu_vs_K1": 4.0}  # exact states + N gradient passes, against a plain step
+
+
+def _exact_summary(reports: list[dict]) -> list[str]:
+    """One row per (preset, row length) with an ``exact_gN`` row: its FLOPs and CPU time over K1's, the quadratic
+    ``KT1_gN``'s where it ran, and the peak memory of a ``--memory`` report of the same shape."""
+    timed = [r for r in reports if not r.get("memory") and any(k.startswith("exact_g") for k in r["results"])]
+    if not timed:
+        return []
+    memory = {(r["preset"], r["batch_size"], r["seq_len"], r["vocab_size"]): r["results"]
+              for r in reports if r.get("memory")}
+    lines = ["| preset | T | FLOPs / K1: exact | FLOPs / K1: K = T + 1 | CPU time / K1: exact | "
+             "CPU time / K1: K = T + 1 | peak step memory (MiB): K1 / K2 / exact | goals (FLOPs <= "
+             f"{EXACT_GOALS['flops_vs_K1']:g}x, CPU <= {EXACT_GOALS['cpu_vs_K1']:g}x) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in sorted(timed, key=lambda r: (r["preset"], r["seq_len"])):
+        res = r["results"]
+        ex = next(k for k in res if k.startswith("exact_g"))
+        ref = res.get("KT1_" + ex.split("_")[1], {})
+        mem = memory.get((r["preset"], r["batch_size"], r["seq_len"], r["vocab_size"]))
+        mib = " / ".join(f"{mem[k]['peak_step_bytes'] / 2**20:,.0f}" if k in mem else "-" for k in ("K1", "K2", ex)) \
+            if mem else "-"
+        met = [name for name, key in (("FLOPs", "flops_vs_K1"), ("CPU", "cpu_vs_K1"))
+               if res[ex][key] <= EXACT_GOALS[key]]
+        verdict = "both met" if len(met) == 2 else (f"{met[0]} met, " if met else "") + \
+            " and ".join(n for n in ("FLOPs", "CPU") if n not in met) + " missed"
+        lines.append(f"| {r['preset']} | {r['seq_len']} | {res[ex]['flops_vs_K1']:.2f} | "
+                     + (f"{ref['flops_vs_K1']:.2f}" if ref else "not run") + f" | {res[ex]['cpu_vs_K1']:.2f} | "
+                     + (f"{ref['cpu_vs_K1']:.2f}" if ref else "not run") + f" | {mib} | {verdict} |")
+    return [f"`{ex.split('_')[0]}` = exact states (one token-by-token pass without gradient) then "
+            f"{ex.split('_g')[1]} gradient passes; K = T + 1 = the teacher-forced passes it replaces, the last "
+            f"{ex.split('_g')[1]} with gradient. CPU times: the process's, median of each case's steps.", "",
+            *lines, ""]
+
+
+def markdown_reports(res: dict) -> str:
+    """A set of ``bench train`` reports (``{"reports": [{"command", "report"}, ...]}``, as
+    ``docs/gen/collect_runs.py`` writes them): a summary of the exact-states rows across row lengths where there are
+    any, then each report's own table under its command."""
+    reports = [e["report"] for e in res["reports"]]
+    lines = _exact_summary(reports)
+    for e in res["reports"]:
+        lines += [f"`{e['command']}`", "", format_benchmark(e["report"]), ""]
     return "\n".join(lines)
