@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from fullband.commands import bench_train
+from fullband.commands import bench_decode, bench_train
 from fullband.experiments import data_efficiency, depth, quickstart, quickstart_state, reasoning_report, state_report
 from fullband.serving import benchmark as serve_bench
 
@@ -85,6 +85,11 @@ def _render_bench_serve(res: dict) -> str:
     return serve_bench.markdown_tables(res)
 
 
+def _render_bench_decode(res: dict) -> str:
+    """Several ``fullband bench decode`` reports collected by ``docs/gen/collect_runs.py``."""
+    return bench_decode.markdown_reports(res)
+
+
 def _render_bench_train(res: dict) -> str:
     """Several ``fullband bench train`` reports collected by ``docs/gen/collect_runs.py``."""
     return bench_train.markdown_reports(res)
@@ -95,6 +100,7 @@ def _render_bench_train(res: dict) -> str:
 RENDERERS = {
     "bench-serve": (_render_bench_serve, ("fullband.serving.benchmark", "fullband.serving.vllm_model",
                                           "fullband.serving.scheduling", "fullband.serving.plugin"), ()),
+    "bench-decode": (_render_bench_decode, "fullband.commands.bench_decode", ()),
     "bench-train": (_render_bench_train, "fullband.commands.bench_train", ()),
     "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
     "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ()),
@@ -112,7 +118,7 @@ PLUMBING = {"training/checkpoint.py", "training/distributed.py", "training/shard
             "training/device.py", "model/sharding.py", "data/shards.py", "training/__init__.py",
             "experiments/__init__.py", "serving/commands.py", "serving/__init__.py"}
 SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "serving/", "utils/stats.py",
-               "commands/bench_train.py")
+               "commands/bench_train.py", "commands/bench_decode.py")
 
 
 # ---- git
