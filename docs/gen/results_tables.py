@@ -414,7 +414,7 @@ def import_run(src: str, name: str, command: str, commit: str, commit_note: str 
             "commit_note": commit_note, "seeds": seeds, "load_average": res.get("load_average") or _parse_load(load),
             "threads": res.get("threads"), "seconds": seconds,
             "date": date, "date_source": date_source,
-            "torch": res.get("torch"), "platform": res.get("platform"),
+            "torch": res.get("torch") or prov.get("torch"), "platform": res.get("platform") or prov.get("platform"),
             "trimmed": list(TRIM[renderer]), "sources": default_sources(RENDERERS[renderer][1])}
     os.makedirs(RESULTS, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=RESULTS, prefix=f".import-{name}-")

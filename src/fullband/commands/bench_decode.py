@@ -299,7 +299,7 @@ def format_report(report: dict) -> str:
                   "", "KV-cache bytes per mode: " + (", ".join(
                       f"{m} {c['kv_bytes']:,} (+{c['state_bytes']:,} state, batch {c['batch']}, {c['cache']})"
                       for m, c in size["cache"].items()) or "not measured (no lean-loop run)") + "."]
-    lines += ["", "Goals:", ""]
+    lines += ["", "Goals:", ""] if report["goals"] else ["", "Goals: none apply to these runs (they need the lean loop)."]
     for c in report["goals"]:
         value = f"{c['value']:.3f}" if isinstance(c["value"], float) else str(c["value"])
         lines.append(f"- {'met' if c['met'] else '**NOT met**'}: {c['size']}, {c['check']} = {value} "
