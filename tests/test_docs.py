@@ -437,3 +437,48 @@ def test_python_api_examples_run(tmp_path, monkeypatch):
     assert namespace["exact"].logits.shape[:2] == ids[:1].shape
     assert namespace["ids"].shape[1] == ids.shape[1] + 64  # generate(): the prompt + max_new_tokens (no EOS set)
     assert namespace["trainer"].state.global_step == 2
+
+
+# ---- (d) several benchmark runs in one results file (docs/gen/collect_runs.py)
+
+
+def test_collected_bench_train_runs_render_their_own_rows(tmp_path):
+    """collect_runs runs each command (stdout: its JSON report), keeps them in order under their commands, and the
+    bench-train renderer's summary row of a (preset, T) reads the exact-states case of that timed report (not the
+    K = T + 1 case beside it) and the peak memory of the --memory report of the same shape; the benchmark modules
+    count among the page's sources (an edit to them stamps the page STALE)."""
+    cr, rt = _load("collect_runs"), _load("results_tables")
+    base = "fullband bench train --json --threads 1 --preset micro --batch-size 2 --steps 1 --warmup 0 --exact 2"
+    cmds = [f"{base} --seq-len 8 --exact-reference", f"{base} --seq-len 8 --memory", f"{base} --seq-len 12"]
+    assert cr.main(["--out", str(tmp_path), *cmds]) == 0
+    res = json.load(open(tmp_path / "results.json"))
+    assert [e["command"] for e in res["reports"]] == cmds and res["seeds"] == [0] and res["threads"] == 1
+    assert res["provenance"]["command"][0] == "python" and res["provenance"]["command"][-3:] == cmds
+    timed, mem, short = (e["report"] for e in res["reports"])
+    assert mem["memory"] and "step_s" not in mem["results"]["K1"] and short["seq_len"] == 12
+    text = rt.RENDERERS["bench-train"][0](res)
+    row = next(line for line in text.splitlines() if line.startswith("| micro | 8 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ex, ref = timed["results"]["exact_g2"], timed["results"]["KT1_g2"]
+    assert cells[2:6] == [f"{ex['flops_vs_K1']:.2f}", f"{ref['flops_vs_K1']:.2f}", f"{ex['cpu_vs_K1']:.2f}",
+                          f"{ref['cpu_vs_K1']:.2f}"]
+    assert cells[6] == " / ".join(f"{mem['results'][k]['peak_step_bytes'] / 2**20:,.0f}" for k in ("K1", "K2", "exact_g2"))
+    row12 = next(line for line in text.splitlines() if line.startswith("| micro | 12 |"))
+    assert "not run" in row12 and row12.split("|")[7].strip() == "-"  # no K = T + 1 case, no memory report
+    assert all(f"`{c}`" in text for c in cmds)
+    assert "src/fullband/commands/bench_train.py" in rt.default_sources(rt.RENDERERS["bench-train"][1])
+    assert "src/fullband/commands/bench_decode.py" in rt.default_sources(rt.RENDERERS["bench-decode"][1])
+    assert "src/fullband/serving/benchmark.py" not in rt.default_sources(rt.RENDERERS["bench-decode"][1])
+
+
+def test_collect_runs_refuses_and_writes_nothing(tmp_path, capsys):
+    """A command without --json, or one that fails, stops the collection with a one-line error (exit 2) naming
+    the command, and no results.json is written (not even the reports of the commands before it)."""
+    cr = _load("collect_runs")
+    ok = "fullband bench train --json --threads 1 --preset micro --batch-size 2 --seq-len 4 --steps 1 --warmup 0"
+    assert cr.main(["--out", str(tmp_path), "fullband bench train --preset micro"]) == 2
+    assert "lacks --json" in capsys.readouterr().err
+    assert cr.main(["--out", str(tmp_path), ok, f"{ok} --loss-chunk -1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]  # less progress lines
+    assert len(err) == 1 and "command 2 exited 2" in err[0] and "--loss-chunk" in err[0], err
+    assert not (tmp_path / "results.json").exists()

@@ -28,17 +28,18 @@ from fullband.training.device import load_average
 from fullband.utils.provenance import note_start, provenance
 
 
-def collect(commands: list[str], progress=print) -> dict:
-    """The reports of ``commands`` (each a ``fullband ... --json`` command line), run in turn."""
+def collect(commands: list[str], progress=print, argv: list[str] | None = None) -> dict:
+    """The reports of ``commands`` (each a ``fullband ... --json`` command line), run in turn; ``argv``: the
+    command line recorded in the provenance (default: this script's, as run)."""
     note_start()
     t0, load0 = time.perf_counter(), load_average()
     reports = []
     for i, command in enumerate(commands, 1):
-        argv = shlex.split(command)
-        if "--json" not in argv:
+        words = shlex.split(command)
+        if "--json" not in words:
             raise ValueError(f"command {i} ({command!r}) lacks --json: its stdout must be the report")
         progress(f"[{i}/{len(commands)}] {command}")
-        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        done = subprocess.run(words, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["(no stderr)"])[-1]
             raise RuntimeError(f"command {i} exited {done.returncode}: {tail}")
@@ -51,7 +52,7 @@ def collect(commands: list[str], progress=print) -> dict:
     seeds = sorted({r["report"]["seed"] for r in reports if "seed" in r["report"]})
     return {"reports": reports, "load_average": [load0, load_average()],
             "threads": threads[0] if len(threads) == 1 else threads, "seeds": seeds,
-            "seconds": time.perf_counter() - t0, "provenance": provenance(["python", *sys.argv])}
+            "seconds": time.perf_counter() - t0, "provenance": provenance(argv)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("commands", nargs="+", help="the commands, each one quoted argument")
     args = ap.parse_args(argv)
     try:
-        res = collect(args.commands, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        res = collect(args.commands, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                      argv=["python", "docs/gen/collect_runs.py", *(sys.argv[1:] if argv is None else argv)])
         os.makedirs(args.out, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=args.out, prefix=".results-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
