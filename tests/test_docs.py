@@ -472,12 +472,12 @@ def test_collected_bench_train_runs_render_their_own_rows(tmp_path):
 
 
 def test_collect_runs_refuses_and_writes_nothing(tmp_path, capsys):
-    """A command without --json, or one that fails, stops the collection with a one-line error (exit 2) naming
+    """A command that prints no JSON (--json left out), or one that fails, stops the collection with a one-line error (exit 2) naming
     the command, and no results.json is written (not even the reports of the commands before it)."""
     cr = _load("collect_runs")
     ok = "fullband bench train --json --threads 1 --preset micro --batch-size 2 --seq-len 4 --steps 1 --warmup 0"
-    assert cr.main(["--out", str(tmp_path), "fullband bench train --preset micro"]) == 2
-    assert "lacks --json" in capsys.readouterr().err
+    assert cr.main(["--out", str(tmp_path), ok.replace(" --json", "")]) == 2
+    assert "command 1 printed no JSON report (its --json option missing?)" in capsys.readouterr().err
     assert cr.main(["--out", str(tmp_path), ok, f"{ok} --loss-chunk -1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]  # less progress lines
     assert len(err) == 1 and "command 2 exited 2" in err[0] and "--loss-chunk" in err[0], err

@@ -410,3 +410,31 @@ def test_feistel_order_costs_o_batch():
     rows = batch_rows(123456789, 64, 10**15, seed=3, order="feistel")
     assert rows.shape == (64,) and int(rows.min()) >= 0 and int(rows.max()) < 10**15
     assert len(set(rows.tolist())) == 64
+
+
+def test_data_bench_runs_and_its_markdown_reads_its_own_numbers(tmp_path, capsys):
+    """``fullband data bench`` at a tiny size (prepare only): one JSON object on stdout with the seed, the load and
+    the prepare's figures, whose Markdown (the generated page) shows those figures and the memory bar's verdict;
+    the training start-up comparison says NOT met when the prepared directory is more than 10% slower, and the
+    generated files are deleted."""
+    from fullband.commands.data_bench import BARS, format_result
+
+    work = tmp_path / "bench"
+    assert cli.main(["data", "bench", "--gb", "0.002", "--workers", "1", "--tokenizer-sample-mb", "0.5",
+                     "--skip-train", "--workdir", str(work)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert not work.exists()  # deleted without --keep
+    p = res["prepare"]
+    assert res["seed"] == 0 and len(res["load_average"]) == 2 and p["rc"] == 0 and p["tokens"] > 0
+    assert p["tokens"] == p["run"]["tokens"] and res["corpus"]["bytes"] >= 0.002e9
+    text = format_result(res)
+    assert f"{p['tokens']:,} `{p['dtype']}` tokens" in text and f"{p['peak_pss_mb_tree']:,} MB**" in text
+    assert f"({'met' if p['peak_pss_mb_tree'] < BARS['prepare_peak_mb'] else 'NOT met'})" in text
+    assert "train --preset micro" not in text  # --skip-train: no start-up rows
+    res["train_embedded"] = {"wall_s": 10.0, "cpu_s_tree": 9.0, "peak_rss_mb_main": 900.0}
+    res["train_prepared"] = {"wall_s": 11.5, "cpu_s_tree": 10.0, "peak_rss_mb_main": 800.0}
+    res["train_prepared_vs_embedded"] = {"wall_ratio": 1.15, "rss_mb_delta": -100.0}
+    last = format_result(res).splitlines()[-1]
+    assert "wall ratio 1.15, RSS -100.0 MB" in last and last.endswith("(NOT met) |")
+    res["train_prepared_vs_embedded"]["wall_ratio"] = 0.9
+    assert format_result(res).splitlines()[-1].endswith("(met) |")

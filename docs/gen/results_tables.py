@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from fullband.commands import bench_decode, bench_train
+from fullband.commands import bench_decode, bench_train, data_bench
 from fullband.experiments import data_efficiency, depth, quickstart, quickstart_state, reasoning_report, state_report
 from fullband.serving import benchmark as serve_bench
 
@@ -90,6 +90,11 @@ def _render_bench_decode(res: dict) -> str:
     return bench_decode.markdown_reports(res)
 
 
+def _render_data_bench(res: dict) -> str:
+    """Several ``fullband data bench`` results collected by ``docs/gen/collect_runs.py``."""
+    return data_bench.markdown_reports(res)
+
+
 def _render_bench_train(res: dict) -> str:
     """Several ``fullband bench train`` reports collected by ``docs/gen/collect_runs.py``."""
     return bench_train.markdown_reports(res)
@@ -102,6 +107,9 @@ RENDERERS = {
                                           "fullband.serving.scheduling", "fullband.serving.plugin"), ()),
     "bench-decode": (_render_bench_decode, "fullband.commands.bench_decode", ()),
     "bench-train": (_render_bench_train, "fullband.commands.bench_train", ()),
+    # data bench's numbers come from the `data prepare` and `train` subprocesses it measures
+    "data-bench": (_render_data_bench, ("fullband.commands.data_bench", "fullband.data.prepare",
+                                        "fullband.commands.train"), ()),
     "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
     "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ()),
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
@@ -118,7 +126,7 @@ PLUMBING = {"training/checkpoint.py", "training/distributed.py", "training/shard
             "training/device.py", "model/sharding.py", "data/shards.py", "training/__init__.py",
             "experiments/__init__.py", "serving/commands.py", "serving/__init__.py"}
 SOURCE_DIRS = ("experiments/", "eval/", "model/", "training/", "data/", "serving/", "utils/stats.py",
-               "commands/bench_train.py", "commands/bench_decode.py")
+               "commands/bench_train.py", "commands/bench_decode.py", "commands/data_bench.py")
 
 
 # ---- git

@@ -7,7 +7,8 @@ under ``--workdir``, runs ``fullband data prepare`` on it with ``--workers`` pro
 is polled with psutil every 0.25 s for its peak memory (the main process's RSS, and the tree's PSS summed over its
 processes, workers included) and whose CPU-seconds are counted (the whole tree's, so the prepare's rate per
 CPU-second end to end includes reading, the split, the BPE and the main process). It prints one JSON object (load
-average and CPU count included) and deletes the generated files unless ``--keep``.
+average and CPU count included) and deletes the generated files unless ``--keep``. :func:`format_result` renders
+that object as Markdown against the bars of :data:`BARS` (the generated results page reads it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ import time
 import numpy as np
 
 from ..utils.io import atomic_write_text
+
+SEED = 0  # the synthetic corpus
+# the prepare's peak memory (the tree's PSS) below 1.5 GB at any corpus size; training start-up on the prepared
+# directory within 10% of the embedded corpus's wall time and at most 200 MB more resident memory
+BARS = {"prepare_peak_mb": 1500.0, "train_wall_ratio": 1.10, "train_rss_mb_delta": 200.0}
 
 
 def add_bench_parser(group) -> None:
@@ -127,12 +133,13 @@ def run_bench(args) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     fb = [sys.executable, "-m", "fullband.cli"]
     result = {"load_avg_start": list(os.getloadavg()), "cpus": os.cpu_count(), "gb": args.gb,
-              "format": "one .txt document" if args.txt else "jsonl"}
+              "format": "one .txt document" if args.txt else "jsonl", "seed": SEED, "threads": 1,
+              "workers": args.workers, "tokenizer_sample_mb": args.tokenizer_sample_mb}
     corpus = os.path.join(work, "corpus.txt" if args.txt else "corpus.jsonl")
     prep = os.path.join(work, "prepared")
     try:
         t = time.perf_counter()
-        result["corpus"] = dict(write_corpus(corpus, args.gb, txt=args.txt), write_s=round(time.perf_counter() - t, 1))
+        result["corpus"] = dict(write_corpus(corpus, args.gb, seed=SEED, txt=args.txt), write_s=round(time.perf_counter() - t, 1))
         shutil.rmtree(prep, ignore_errors=True)
         p = measure(fb + ["data", "prepare", corpus, "--out", prep, "--workers", str(args.workers), "--json",
                           "--no-progress", "--tokenizer-sample-mb", str(args.tokenizer_sample_mb), "--shard-mb",
@@ -159,6 +166,7 @@ def run_bench(args) -> int:
             result["train_prepared_vs_embedded"] = {"wall_ratio": round(q["wall_s"] / e["wall_s"], 3),
                                                     "rss_mb_delta": delta}
         result["load_avg_end"] = list(os.getloadavg())
+        result["load_average"] = [round(result["load_avg_start"][0], 2), round(result["load_avg_end"][0], 2)]
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -167,3 +175,50 @@ def run_bench(args) -> int:
     if args.out_json:
         atomic_write_text(args.out_json, text + "\n")
     return 0
+
+
+def format_result(res: dict) -> str:
+    """The benchmark's JSON object as Markdown: what was prepared, the prepare's time, throughput and peak memory,
+    and training start-up on the prepared directory against the embedded corpus, each bar of :data:`BARS` met or
+    not."""
+    c, p = res["corpus"], res["prepare"]
+    run = p["run"]
+    loads = " / ".join(f"{x:.2f}" for x in res["load_avg_start"])
+    after = " / ".join(f"{x:.2f}" for x in res["load_avg_after_prepare"])
+    end = " / ".join(f"{x:.2f}" for x in res.get("load_avg_end", []))
+    peak = p["peak_pss_mb_tree"]
+    rows = [("corpus", f"{c['bytes']:,} bytes of {res['format']}, {c['documents']:,} documents (written in "
+                       f"{c['write_s']} s, seed {res.get('seed', '?')})"),
+            ("prepared", f"{p['tokens']:,} `{p['dtype']}` tokens of {p['documents']:,} documents in "
+                         f"{run['new_shards']} shards"),
+            (f"BPE trained on {res.get('tokenizer_sample_mb', '?')} MB", f"{run['tokenizer_seconds']} s"),
+            ("prepare, whole command", f"{p['wall_s']:,} s wall, {p['cpu_s_tree']:,} CPU-seconds (the whole tree)"),
+            (f"**peak memory of the prepare** (bar: < {BARS['prepare_peak_mb'] / 1000:g} GB)",
+             f"**RSS of the main process {p['peak_rss_mb_main']:,} MB, PSS of the tree (main + workers) {peak:,} MB**"
+             f" ({'met' if peak < BARS['prepare_peak_mb'] else 'NOT met'})"),
+            (f"throughput, wall ({run['workers']} workers)", f"{run['mb_per_s']} MB/s, {run['tokens_per_s']:,} tokens/s"),
+            ("**per worker CPU-second**", f"**{run['tokens_per_cpu_s_per_worker']:,} tokens = "
+                                          f"{run['mb_per_cpu_s_per_worker']} MB of text**"),
+            ("per CPU-second of the whole command (reading, split, BPE, main, start-up)", f"{p['mb_per_cpu_s_tree']} MB")]
+    for name, label in (("embedded", "the embedded corpus (BPE trained at start-up)"),
+                        ("prepared", "the prepared directory")):
+        t = res.get(f"train_{name}")
+        if t:
+            rows.append((f"`train --preset micro --steps 1`, {label}",
+                         f"{t['wall_s']} s ({t['cpu_s_tree']} CPU-s), peak RSS {t['peak_rss_mb_main']:,} MB"))
+    cmp = res.get("train_prepared_vs_embedded")
+    if cmp:
+        met = cmp["wall_ratio"] <= BARS["train_wall_ratio"] and cmp["rss_mb_delta"] <= BARS["train_rss_mb_delta"]
+        rows.append((f"prepared vs embedded (bar: wall within {BARS['train_wall_ratio'] - 1:.0%}, at most "
+                     f"+{BARS['train_rss_mb_delta']:g} MB RSS)",
+                     f"**wall ratio {cmp['wall_ratio']}, RSS {cmp['rss_mb_delta']:+,} MB** ({'met' if met else 'NOT met'})"))
+    lines = [f"`uptime` load average {loads} at the start, {after} after the prepare" + (f", {end} at the end" if end else "")
+             + f"; {res['cpus']} CPUs.", "", "| what | measured |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def markdown_reports(res: dict) -> str:
+    """A set of ``data bench`` results (``{"reports": [{"command", "report"}, ...]}``, as
+    ``docs/gen/collect_runs.py`` writes them), each under its command."""
+    return "\n\n".join(f"`{e['command']}`\n\n{format_result(e['report'])}" for e in res["reports"])
