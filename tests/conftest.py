@@ -104,15 +104,20 @@ def plain_dir(tmp_path_factory):
 WORDS = "the a of to and in that is was he for it with as his on be at by had not are but from".split()
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Twelve documents of 300 random common words, as a jsonl corpus (``fullband train --data``)."""
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+def write_small_corpus(path) -> str:
+    """Twelve documents of 300 random common words (seeded), as a jsonl corpus (``fullband train --data``); also
+    ``benchmarks/thread_drift.py``'s."""
     rng = random.Random(0)
     with open(path, "w") as f:
         for i in range(12):
             f.write(json.dumps({"name": f"d{i:02d}", "text": " ".join(rng.choice(WORDS) for _ in range(300))}) + "\n")
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """:func:`write_small_corpus` in a fresh directory."""
+    return write_small_corpus(tmp_path_factory.mktemp("data") / "docs.jsonl")
 
 
 # ----------------------------------------------------------------------------------------------- another reduction order

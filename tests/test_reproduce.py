@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from fullband import cli
-from fullband.utils.provenance import UNREPRODUCIBLE_KEYS, first_difference, provenance_line
+from fullband.utils.provenance import UNREPRODUCIBLE_KEYS, drift, first_difference, provenance_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,6 +79,21 @@ def test_first_difference_names_the_path():
     assert first_difference({"x": [1, 2]}, {"x": [1]}) == "/x: 2 vs 1 entries"
     assert first_difference({"x": 1}, {"x": 1.0}) == "/x: 1 vs 1.0"
     assert {"seconds", "load_average", "platform", "provenance"} <= UNREPRODUCIBLE_KEYS
+
+
+def test_drift_counts_and_ranks_what_differs():
+    """drift (benchmarks/thread_drift.py: another thread count): the numbers compared (booleans and skipped keys
+    not counted), how many differ, the largest absolute and relative differences with their paths, and what differs
+    that is not a pair of numbers."""
+    a = {"loss": [4.0, 2.0, 1.0], "ok": True, "name": "x", "seconds": 1.0, "t": {"acc": 0.5}}
+    b = {"loss": [4.0, 2.2, 1.2], "ok": False, "name": "x", "seconds": 9.0, "t": {"acc": 0.5, "new": 1}}
+    d = drift(a, b)
+    assert d["numbers"] == 4 and d["numbers_differing"] == 2
+    assert d["max_abs"] == pytest.approx(0.2) and d["max_rel"] == pytest.approx(0.2 / 1.2)
+    assert [x["path"] for x in d["largest_rel"]] == ["/loss[2]", "/loss[1]"]
+    assert d["other_differences"] == ["/ok: True vs False", "/t/new: only in the second"] and d["other_differing"] == 2
+    same = drift(a, a)
+    assert same["numbers_differing"] == 0 and same["max_rel"] == 0.0 and same["other_differing"] == 0
 
 
 def test_provenance_names_the_checkout(tmp_path):

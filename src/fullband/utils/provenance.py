@@ -107,27 +107,61 @@ def without_unreproducible(obj):
     return obj
 
 
-def first_difference(a, b, path: str = "") -> str | None:
-    """The path of the first place two JSON values differ (keys of :data:`UNREPRODUCIBLE_KEYS` skipped), with both
-    values; ``None`` when they are equal (NaN equals NaN; numbers compared exactly)."""
+def _differences(a, b, path: str = ""):
+    """Every place two JSON values differ, in document order (keys of :data:`UNREPRODUCIBLE_KEYS` skipped): ``(path,
+    a, b, None)`` for two values that differ (NaN equals NaN; numbers compared exactly), ``(path, None, None, note)``
+    for a key only one side has or lists of different lengths."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
             if k in UNREPRODUCIBLE_KEYS:
                 continue
             if k not in a or k not in b:
-                return f"{path}/{k}: only in the {'second' if k not in a else 'first'}"
-            got = first_difference(a[k], b[k], f"{path}/{k}")
-            if got:
-                return got
-        return None
-    if isinstance(a, list) and isinstance(b, list):
+                yield f"{path}/{k}", None, None, f"only in the {'second' if k not in a else 'first'}"
+            else:
+                yield from _differences(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
-            return f"{path}: {len(a)} vs {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b)):
-            got = first_difference(x, y, f"{path}[{i}]")
-            if got:
-                return got
-        return None
-    if type(a) is not type(b) or (a != b and not (isinstance(a, float) and a != a and b != b)):
-        return f"{path or '/'}: {a!r} vs {b!r}"
+            yield path, None, None, f"{len(a)} vs {len(b)} entries"
+        else:
+            for i, (x, y) in enumerate(zip(a, b)):
+                yield from _differences(x, y, f"{path}[{i}]")
+    elif type(a) is not type(b) or (a != b and not (isinstance(a, float) and a != a and b != b)):
+        yield path or "/", a, b, None
+
+
+def first_difference(a, b, path: str = "") -> str | None:
+    """The path of the first place two JSON values differ (keys of :data:`UNREPRODUCIBLE_KEYS` skipped), with both
+    values; ``None`` when they are equal (NaN equals NaN; numbers compared exactly)."""
+    for where, x, y, note in _differences(a, b, path):
+        return f"{where}: {note}" if note else f"{where}: {x!r} vs {y!r}"
     return None
+
+
+def _numbers(v) -> int:
+    if isinstance(v, bool):
+        return 0
+    if isinstance(v, (int, float)):
+        return 1
+    if isinstance(v, dict):
+        return sum(_numbers(x) for k, x in v.items() if k not in UNREPRODUCIBLE_KEYS)
+    if isinstance(v, list):
+        return sum(_numbers(x) for x in v)
+    return 0
+
+
+def drift(a, b, top: int = 5) -> dict:
+    """How far two results of one command differ (for runs that are not expected to be bitwise equal, e.g. at
+    another thread count): the numbers compared, how many differ, the largest absolute and relative differences
+    with their paths, and the differences that are not between two numbers (a changed string, a missing key)."""
+    numeric, other = [], []
+    for where, x, y, note in _differences(a, b):
+        if note is None and _numbers(x) == 1 and _numbers(y) == 1:
+            d = abs(x - y)
+            numeric.append((where, x, y, d, d / max(abs(x), abs(y), 1e-300)))
+        else:
+            other.append(f"{where}: {note}" if note else f"{where}: {x!r} vs {y!r}")
+    by_rel = sorted(numeric, key=lambda t: -t[4])[:top]
+    return {"numbers": _numbers(a), "numbers_differing": len(numeric),
+            "max_abs": max((t[3] for t in numeric), default=0.0), "max_rel": max((t[4] for t in numeric), default=0.0),
+            "largest_rel": [{"path": w, "a": x, "b": y, "rel": r} for w, x, y, _, r in by_rel],
+            "other_differences": other[:top], "other_differing": len(other)}
