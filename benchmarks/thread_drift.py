@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as err:
                 print(f"thread_drift: error: {err}", file=sys.stderr)
                 return 2
+            one.pop("threads", None), many.pop("threads", None)  # the setting compared, not a result
             report["runs"][name] = {"command": cmd, **drift(one, many)}
     report["load_average"].append(round(os.getloadavg()[0], 2))
     report["seconds"] = time.perf_counter() - t0
