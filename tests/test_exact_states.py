@@ -172,3 +172,45 @@ def test_exact_states_under_fsdp_gather_each_layer_once_and_follow_one_process(t
     assert (got[0]["loss"] + got[1]["loss"]) / 2 == pytest.approx(float(out.loss), rel=rtol)
     # FSDP averages the two ranks' gradients: the mean over 4 rows, as one process's
     assert_grads_close({k: torch.tensor(v) for k, v in got[0]["grads"].items()}, grads)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_row_cache_equals_a_dynamic_cache_through_growth_crop_and_selection(family):
+    """The token pass's cache (:func:`fullband.model.cache.row_cache`) against transformers' ``DynamicCache`` on
+    the plain backbone: a prefill, token steps past its capacity (the buffer doubles), a crop, a batch selection
+    and more steps, each step's logits equal; with padding (the mask over the tokens written, not over the
+    buffer's empty tail)."""
+    from transformers import DynamicCache
+    from fullband.model.cache import GrowingLayer, row_cache
+    backbone = tiny_model(family).backbone
+    ids = random_ids(3, 14, seed=4)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0  # left padding in row 1
+    caches = [row_cache(backbone.config, 4), DynamicCache(config=backbone.config)]
+    assert all(isinstance(layer, GrowingLayer) for layer in caches[0].layers)
+
+    def step(cache, start, end, rows=slice(None)):
+        return backbone(input_ids=ids[rows, start:end], attention_mask=attn[rows, :end], cache=cache,
+                        use_cache=True).logits
+
+    with torch.no_grad():
+        for rows, (s, e) in [(slice(None), (0, 3))] + [(slice(None), (t, t + 1)) for t in range(3, 9)]:
+            got, want = (step(c, s, e, rows) for c in caches)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert caches[0].layers[0]._key_buffer.shape[-2] >= 9 > 4  # it grew past its capacity
+        for c in caches:
+            c.crop(-2)  # 9 tokens -> 7
+            c.batch_select_indices(torch.tensor([0, 2]))
+        for t in range(7, 12):
+            got, want = (step(c, t, t + 1, [0, 2]) for c in caches)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == 12
+
+
+def test_row_cache_keeps_sliding_window_layers():
+    from transformers import MistralConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+    from fullband.model.cache import row_cache
+    cfg = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=4, vocab_size=64)
+    assert all(type(layer) is DynamicSlidingWindowLayer for layer in row_cache(cfg, 16).layers)

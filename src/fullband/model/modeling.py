@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, StaticCache
+from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import Cache
 
+from .cache import row_cache
 from .configuration import FullBandwidthConfig
 from .feedback import (
     GLUFusion,
@@ -372,13 +373,9 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         # with it
         exact = None
         if exact_states:  # pass 0: the exact recurrence's states (no gradient, no logits), then N gradient passes
-            # unpadded, unpacked rows: a cache allocated once for the row (DynamicCache concatenates every layer's
-            # keys and values at every token: O(T^2) copying; measured 4-18% of the token pass at T = 256 on CPU)
-            static = (StaticCache(config=self.backbone.config, max_cache_len=T)
-                      if attention_mask is None and position_ids is None else None)
             with torch.no_grad(), gathered_once(self):
                 exact = self.recurrent_forward(input_ids, attention_mask, feedback_mask, position_ids,
-                                               cache=static, need_logits=False).last_hidden_state
+                                               need_logits=False).last_hidden_state
             num_passes += 1
         n_grad = num_passes if grad_passes is None else min(grad_passes, num_passes)
         first_grad = 1 if exact_states else num_passes - n_grad
@@ -520,7 +517,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         position_ids = position_ids.expand(B, -1)
         token_embeds = self.get_input_embeddings()(input_ids)
         if cache is None:
-            cache = DynamicCache(config=self.backbone.config)
+            cache = row_cache(self.backbone.config, T)
         all_logits, all_hidden, inputs, layers, prev = [], [], [], None, None
         for t in range(T):
             inp = token_embeds[:, t:t + 1]
