@@ -186,7 +186,8 @@ def test_depth_experiment_quick_end_to_end(tmp_path, capsys):
     # plain models have the standard mode only; FBT arms every mode and the interventions
     assert list(res["runs"]["baseline-L"]["correct"]) == ["standard"]
     assert set(res["runs"]["fbt-L"]["correct"]) >= {"standard", "K=2", "K=3", "exact", "exact/zero",
-                                                      "exact/other-row", "exact/zero-at-answer"}
+                                                      "exact/other-row", "exact/zero-at-answer",
+                                                      "exact/other-row-at-answer"}
     # every table number is the mean of the saved per-example results of its cell
     for row in res["table"]:
         correct = res["runs"][row["arm"]]["correct"][row["mode"]]
@@ -235,8 +236,12 @@ def test_depth_experiment_quick_end_to_end(tmp_path, capsys):
         correct = res["runs"][row["arm"]]["correct"]
         deep = [i for i, t in enumerate(test) if (t["task"], t["think"]) == (row["task"], row["think"]) and t["k"] >= 2]
         assert row["exact"] == pytest.approx(sum(correct["exact"][i] for i in deep) / len(deep))
-        z = row["delta"]["zero"]["estimate"]
-        assert z == pytest.approx(sum(correct["exact/zero"][i] - correct["exact"][i] for i in deep) / len(deep))
+        # the zeroing interventions only where a zero state leaves the token (not on the pure GLU arm)
+        assert ("zero" in row["delta"]) == (row["arm"] != "fbt-L-glu")
+        assert {"other-row", "other-row-at-answer"} <= set(row["delta"])
+        for name, d in row["delta"].items():
+            assert d["estimate"] == pytest.approx(
+                sum(correct[f"exact/{name}"][i] - correct["exact"][i] for i in deep) / len(deep))
 
 
 def test_depth_reuses_a_run_only_for_the_same_problems(tmp_path, capsys):
@@ -288,6 +293,7 @@ def test_depth_exact_mode_matches_a_reference_recurrence(tmp_path):
         "zero": lambda t, prev: torch.zeros_like(prev),
         "other-row": lambda t, prev: prev.roll(1, dims=0),
         "zero-at-answer": lambda t, prev: prev * (pos - 1 != t).to(prev.dtype).view(-1, 1, 1),
+        "other-row-at-answer": lambda t, prev: torch.where((pos - 1 == t).view(-1, 1, 1), prev.roll(1, dims=0), prev),
     }
     plain = reference_answers()
     assert answers_correct(model, rows, pos, "exact", batch=7) == plain
@@ -295,3 +301,13 @@ def test_depth_exact_mode_matches_a_reference_recurrence(tmp_path):
         expected = reference_answers(hook)
         assert expected != plain, name  # the intervention matters here, so a dropped one is caught
         assert answers_correct(model, rows, pos, "exact", state_hook=intervention_hook(name)) == expected, name
+
+
+def test_depth_zeroes_the_state_only_where_that_leaves_the_token():
+    """On the pure GLU entry a zero state zeroes the whole fused input (the token too): no state intervention, so
+    the zeroing interventions are not run there; the residual entry keeps the token and runs all of them."""
+    from conftest import tiny_model
+    from fullband.experiments.depth import INTERVENTIONS, interventions_for
+
+    assert interventions_for(tiny_model(fusion="residual")) == list(INTERVENTIONS)
+    assert interventions_for(tiny_model(fusion="glu")) == ["other-row", "other-row-at-answer"]

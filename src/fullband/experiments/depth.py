@@ -21,8 +21,11 @@ loss is on the answer token only. Test problems come from another seed, ``--test
 for think = 0 and think = max_think. Each FBT arm is scored in ``standard`` (no feedback), ``K=2`` / ``K=3``
 (teacher-forced passes) and ``exact`` (the token-by-token recurrence) mode, all through
 :func:`fullband.eval.scoring.mode_logits`; the answer is the argmax of the logits at the ``=`` position. In exact
-mode three interventions on the fed-back state (zeroed everywhere, taken from another problem, zeroed only where
-it enters the ``=`` position) say whether the state is used. Reported: accuracy per cell with a 95% bootstrap CI,
+mode interventions on the fed-back state say whether the state is used, each removing the state alone: taken from
+another problem everywhere (``other-row``) or only where it enters the ``=`` position (``other-row-at-answer``),
+and, where a zero state leaves the token in the fused input (the residual entry;
+:func:`fullband.experiments.interventions.zero_keeps_token`), zeroed everywhere or only there (on the pure GLU a
+zero state zeroes the whole input, token included: no state intervention, so not run). Reported: accuracy per cell with a 95% bootstrap CI,
 the inference FLOPs per token of each mode (x the L-layer model's standard pass), paired differences to both
 baselines (and, for the FBT arms, to both controls) on the k >= 2 cells, the paired effect of think positions (the
 same questions at 0 and max_think), pointer accuracy where the answer is not the start symbol (the copy shortcut),
@@ -60,6 +63,7 @@ from ..training.distributed import resolve_device
 from ..training.pretrain import PretrainRecipe
 from ..utils.stats import bootstrap_ci
 from .common import accuracy_panels, apply_quick, pick_arms, refuse_changed_runs, write_outputs
+from .interventions import zero_keeps_token
 from .synthetic import (
     CONTROL_ARMS,
     EPOCHS_ARM,
@@ -88,7 +92,8 @@ ARMS = (
 )
 ARM_BY_NAME = {a.name: a for a in ARMS}
 FBT_MODES = (("standard", 1), ("K=2", 2), ("K=3", 3), ("exact", None))
-INTERVENTIONS = ("zero", "other-row", "zero-at-answer")
+INTERVENTIONS = ("zero", "other-row", "zero-at-answer", "other-row-at-answer")
+ZEROING = ("zero", "zero-at-answer")  # run only where a zero state leaves the token (zero_keeps_token)
 
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "depth"), layers=2, hidden=128, heads=4, steps=4000,
                 batch_size=64, lr=2e-3, tasks="pointer,compose", max_k=4, max_think=4, test_per_cell=100, seed=0)
@@ -138,17 +143,26 @@ def answers_correct(model, rows, pos, mode: str, num_passes: int = 1, state_hook
 
 
 def intervention_hook(name: str):
-    """``make(pos) -> hook(t, prev)``: the state fused at step t replaced as ``name`` says."""
+    """``make(pos) -> hook(t, prev)``: the state fused at step t replaced as ``name`` says (``other-row``: the state
+    the previous row of the scoring batch has at that step, cyclically; ``*-at-answer``: only at the step whose
+    token is ``=``, row by row)."""
+    if name not in INTERVENTIONS:
+        raise ValueError(f"unknown intervention {name!r}: choose from {', '.join(INTERVENTIONS)}")
+
     def make(pos):
         def hook(t, prev):
-            if name == "zero":
-                return torch.zeros_like(prev)
-            if name == "other-row":
-                return prev.roll(1, dims=0)
-            keep = (pos - 1 != t).to(prev.dtype).view(-1, 1, 1)  # zero-at-answer
-            return prev * keep
+            new = torch.zeros_like(prev) if name.startswith("zero") else prev.roll(1, dims=0)
+            if not name.endswith("-at-answer"):
+                return new
+            return torch.where((pos - 1 == t).to(prev.device).view(-1, 1, 1), new, prev)
         return hook
     return make
+
+
+def interventions_for(model) -> list[str]:
+    """The interventions that remove the state alone from ``model``'s input: the zeroing ones only where a zero
+    state leaves the token."""
+    return [n for n in INTERVENTIONS if n not in ZEROING or zero_keeps_token(model)]
 
 
 def evaluate_arm(model, rows, pos) -> dict:
@@ -156,7 +170,7 @@ def evaluate_arm(model, rows, pos) -> dict:
         return {"standard": answers_correct(model, rows, pos, "standard")}
     res = {key: answers_correct(model, rows, pos, "passes" if key.startswith("K=") else key, k or 1)
            for key, k in FBT_MODES}
-    for name in INTERVENTIONS:
+    for name in interventions_for(model):
         res[f"exact/{name}"] = answers_correct(model, rows, pos, "exact", state_hook=intervention_hook(name))
     return res
 
@@ -249,7 +263,8 @@ def tables(res: dict) -> str:
                 "| --- | --- | ---: | ---: |" + " ---: |" * len(INTERVENTIONS)]
         for r in res["interventions"]:
             out.append(f"| {r['arm']} | {r['task']} | {r['think']} | {r['exact']:.2f} | "
-                       + " | ".join(_ci(r["delta"][n]) for n in INTERVENTIONS) + " |")
+                       + " | ".join(_ci(r["delta"][n]) if n in r["delta"] else "n/a" for n in INTERVENTIONS)
+                       + " |")
         out.append("")
     return "\n".join(out)
 
@@ -315,7 +330,7 @@ def interventions(res: dict, boot: int = 2000) -> list[dict]:
             base = [correct["exact"][i] for i in idx]
             rows.append({"arm": arm, "task": task, "think": think, "exact": sum(base) / len(base), "delta": {
                 n: bootstrap_ci([correct[f"exact/{n}"][i] - b for i, b in zip(idx, base)], seed=0,
-                                n_resamples=boot).as_dict() for n in INTERVENTIONS}})
+                                n_resamples=boot).as_dict() for n in INTERVENTIONS if f"exact/{n}" in correct}})
     return rows
 
 
@@ -419,8 +434,10 @@ def report(res: dict, text: str) -> str:
               for n, d in res["arm_descriptions"].items()]
     lines += ["", "Modes: `standard` no feedback; `K=2` / `K=3` teacher-forced passes; `exact` the token-by-token "
               "recurrence (T sequential one-token calls); inference FLOPs per token counted from what each mode runs "
-              "(`fullband.eval.flops.inference_flops`), relative to the L-layer model's standard pass; `exact/zero`, "
-              "`exact/other-row`, `exact/zero-at-answer`: exact with the fed-back state "
-              "zeroed, taken from another problem, or zeroed only where it enters the `=` position.", "", text,
+              "(`fullband.eval.flops.inference_flops`), relative to the L-layer model's standard pass; `exact/other-row`, "
+              "`exact/other-row-at-answer`: exact with the fed-back state taken from another problem everywhere or "
+              "only where it enters the `=` position; `exact/zero`, `exact/zero-at-answer`: zeroed there, run only "
+              "where a zero state leaves the token in the input (n/a on the pure GLU, where it zeroes the token "
+              "too).", "", text,
               "![depth](depth.png)", ""]
     return "\n".join(lines)
