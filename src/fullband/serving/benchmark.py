@@ -20,7 +20,7 @@ tokens, and hit tokens ÷ the shared prefix's whole blocks of every request: the
 
 ``--profile DIR`` then profiles one run of each engine at the largest batch with vLLM's own torch profiler
 (``profiler_config``; set only with the flag): the engine-core process writes its op table, sorted by self CPU
-time, and a trace under ``DIR/<engine>/``. :func:`markdown_tables` renders a report for the docs'
+time, and a trace under ``DIR/<engine>/``. :func:`markdown_tables` renders a report: the CLI's text and the docs'
 generated results (``docs/gen/results_tables.py``, renderer ``bench-serve``).
 """
 
@@ -237,33 +237,6 @@ def benchmark_serve(args) -> dict:
     return report
 
 
-def _format(report: dict) -> str:
-    s = report["size"]
-    lines = [f"fullband vs plain backbone through vLLM (d{s['d_model']} L{s['layers']}, vocab {s['vocab']}, "
-             f"{report['dtype']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
-             f"{report['repeats']} alternating pairs; load average {report['load_average_before'][0]:.2f} -> "
-             f"{report['load_average_after'][0]:.2f})"]
-    if report.get("shared_prefix"):
-        lines[0] += (f"; {report['shared_prefix']}-token shared prefix: prefix caching on / off, "
-                     f"{report['block_size']}-token blocks")
-    for b, row in report["batch"].items():
-        verdict = row["verdict"] + (f" ({row['inconclusive_because']})" if row["inconclusive_because"] else "")
-        if report.get("shared_prefix"):
-            rate = row["prefix_block_hit_rate"]
-            lines.append(f"  batch {b:>3}: median paired gain {row['ratio']:.3f}, {row['ci_confidence']:.0%} CI "
-                         f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}] ({'conclusive' if row['conclusive'] else verdict}); prefix-cache "
-                         f"hits {row['hit_rate'] or 0:.3f} of queried tokens, {rate or 0:.3f} of the shared "
-                         f"prefix's whole blocks (goal >= {report['goal_prefix_block_hits']}); median tok/s on "
-                         f"{row['fullband_tokens_per_s']:.1f}, off {row['plain_tokens_per_s']:.1f}")
-            continue
-        lines.append(f"  batch {b:>3}: median paired ratio {row['ratio']:.3f}, {row['ci_confidence']:.0%} CI "
-                     f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}], spread min {row['min']:.3f} / IQR "
-                     f"[{row['q1']:.3f}, {row['q3']:.3f}] / max {row['max']:.3f} -> {verdict} (goal >= "
-                     f"{row['goal']}); median tok/s fullband {row['fullband_tokens_per_s']:.1f}, plain "
-                     f"{row['plain_tokens_per_s']:.1f}")
-    return "\n".join(lines)
-
-
 _UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
 
 
@@ -311,7 +284,8 @@ def _profile_table(prof: dict, rows: int = 12) -> str:
 
 
 def markdown_tables(report: dict) -> str:
-    """A report of :func:`benchmark_serve` as Markdown: the settings in a sentence, then a table a batch size."""
+    """A report of :func:`benchmark_serve` as Markdown (what ``fullband bench serve`` prints without ``--json``, and
+    the docs' tables): the settings in a sentence, then a table a batch size."""
     s = report["size"]
     head = (f"d{s['d_model']} L{s['layers']}, vocab {s['vocab']}, {report['dtype']}, "
             f"{'eager' if report['enforce_eager'] else 'vLLM-compiled'}, prompt {report['prompt_len']} tokens, "
@@ -321,15 +295,17 @@ def markdown_tables(report: dict) -> str:
         head = (f"{report['shared_prefix']}-token shared prefix, prefix caching on ÷ off for the fullband model "
                 f"({report['block_size']}-token blocks); " + head)
         rows = ["| batch | tok/s on | tok/s off | median paired gain | 95% CI | hits / queried tokens | "
-                "hits / shared prefix's whole blocks (goal >= 0.80) |", "|---:|---:|---:|---:|---|---:|---:|"]
+                f"hits / shared prefix's whole blocks (goal >= {report.get('goal_prefix_block_hits', 0.80)}) |",
+                "|---:|---:|---:|---:|---|---:|---:|"]
         for b, r in report["batch"].items():
             rows.append(f"| {b} | {r['fullband_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
                         f"{r['ratio']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['hit_rate'] or 0:.3f} | "
                         f"{r['prefix_block_hit_rate'] or 0:.3f} |")
     else:
         head = "Fullband model ÷ its plain backbone, both through vLLM; " + head
+        goal = next(iter(report["batch"].values()))["goal"] if report["batch"] else 0.95
         rows = ["| batch | fullband tok/s | plain tok/s | median paired ratio | 95% CI | min / IQR / max | "
-                "verdict (goal >= 0.95) |", "|---:|---:|---:|---:|---|---|---|"]
+                f"verdict (goal >= {goal}) |", "|---:|---:|---:|---:|---|---|---|"]
         for b, r in report["batch"].items():
             verdict = r["verdict"] + (f" ({r['inconclusive_because']})" if r["inconclusive_because"] else "")
             rows.append(f"| {b} | {r['fullband_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
@@ -353,7 +329,7 @@ def _run(args) -> int:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
-    print(json.dumps(report, indent=2) if args.json else _format(report))
+    print(json.dumps(report, indent=2) if args.json else markdown_tables(report))
     return 0
 
 
