@@ -336,7 +336,8 @@ def run_quickstart(args) -> dict:
     write_results(args.out, results, _report(results, table, args))
     print(table)
     if running_state:
-        print("\n" + running_state["table"])
+        print("\n" + running_state["table"] + "\nTraining time: " + ", ".join(
+            f"{n} {v:.0f}s" for n, v in running_state["train_seconds"].items()) + ".")
     print(f"\nbaseline {results['baseline_val_loss']:.4f} vs FBT (exact) {results['fbt_val_loss']:.4f} nats/token on "
           f"{results['eval_tokens']:,} held-out tokens; {results['train_tokens_per_model']:,} training tokens each; "
           f"{wall:.0f}s in all. Report: {os.path.join(args.out, 'report.md')}")

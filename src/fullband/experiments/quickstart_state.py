@@ -72,12 +72,12 @@ def compact_table(res: dict) -> str:
 
 def cost_line(res: dict) -> str:
     """Each arm's training FLOPs over baseline-L's and, for a feedback arm, what K = T + 1 passes would have cost on
-    the same steps (``train_flops_k_exact``; absent from results of before it was recorded: no line)."""
+    the same steps (``train_flops_k_exact``; absent from results of before it was recorded: no line). Counted, not
+    timed: the table stays the same on a re-run (the training seconds are in ``train_seconds``, said beside it)."""
     runs, plain = res["runs"], res["runs"].get("baseline-L", {}).get("train_flops")
     if not plain:
         return ""
     parts = [f"{n} {r['train_flops'] / plain:.2f}x" + (
         f" (K = {res['settings']['num_passes']} passes on the same steps: {r['train_flops_k_exact'] / plain:.2f}x)"
         if "train_flops_k_exact" in r else "") for n, r in runs.items() if n != "baseline-L"]
-    seconds = ", ".join(f"{n} {r['train_seconds']:.0f}s" for n, r in runs.items())
-    return f"\n\nTraining FLOPs (x baseline-L's): {'; '.join(parts)}. Training time: {seconds}."
+    return f"\n\nTraining FLOPs (x baseline-L's): {'; '.join(parts)}."
