@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fullband import cli
 from fullband.utils.provenance import UNREPRODUCIBLE_KEYS, drift, first_difference, provenance_line
@@ -110,6 +111,14 @@ def test_provenance_names_the_checkout(tmp_path):
     assert provenance_line(p).startswith(f"Produced by `fullband experiment reasoning --out 'a b'` at commit "
                                          f"{head.stdout.strip()[:12]}")
     assert source_checkout(str(tmp_path)) == {"git_commit": None, "git_dirty": None}  # not a checkout
+    # the CPU the float kernels were picked for: two CPUs give different results from one command and seed
+    cpuinfo = open("/proc/cpuinfo", encoding="utf-8").read() if os.path.exists("/proc/cpuinfo") else ""
+    models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")]
+    if models:
+        assert p["cpu"] == models[0]
+        assert f", {models[0]} ({torch.backends.cpu.get_cpu_capability()})," in provenance_line(p)
+    assert p["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert {"cpu", "cpu_capability"} <= UNREPRODUCIBLE_KEYS
 
 
 def test_provenance_names_the_commit_a_run_started_from(tmp_path):

@@ -225,6 +225,7 @@ def provenance(meta: dict, note: bool = True) -> str:
     secs = f"; {meta['seconds']:.0f}s wall" if isinstance(meta.get("seconds"), (int, float)) else ""
     return (f"Produced by `{meta['command']}` at commit `{meta['commit'][:12]}`; seeds {seeds}; 1-minute load "
             f"average {_fmt_load(meta.get('load_average'))}; {meta.get('threads', '?')} thread(s){secs}; "
+            + (f"CPU {meta['cpu']}; " if meta.get("cpu") else "") +
             f"{meta['date']}." + (f" Commit: {meta['commit_note']}." if note and meta.get("commit_note") else ""))
 
 
@@ -375,7 +376,7 @@ def _parse_load(text: str | None) -> list[float] | None:
 
 
 def import_run(src: str, name: str, command: str, commit: str, commit_note: str | None, renderer: str | None,
-               load: str | None = None) -> str:
+               load: str | None = None, cpu: str | None = None) -> str:
     path = os.path.join(src, "results.json")
     if not os.path.isfile(path):
         raise Refused(f"--import {src}: no results.json there")
@@ -423,6 +424,7 @@ def import_run(src: str, name: str, command: str, commit: str, commit_note: str 
             "threads": res.get("threads"), "seconds": seconds,
             "date": date, "date_source": date_source,
             "torch": res.get("torch") or prov.get("torch"), "platform": res.get("platform") or prov.get("platform"),
+            "cpu": cpu or (f"{prov['cpu']} ({prov.get('cpu_capability')})" if prov.get("cpu") else None),
             "trimmed": list(TRIM[renderer]), "sources": default_sources(RENDERERS[renderer][1])}
     os.makedirs(RESULTS, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=RESULTS, prefix=f".import-{name}-")
@@ -462,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-note", default=None, help="--import: how the commit was determined")
     ap.add_argument("--load", default=None, metavar="START,END",
                     help="--import: the 1-minute load average at the run's start and end, where results.json lacks it")
+    ap.add_argument("--cpu", default=None, metavar="MODEL",
+                    help="--import: the CPU model and torch's kernel ISA (e.g. 'AMD EPYC (AVX512)'), where results.json "
+                         "lacks it")
     ap.add_argument("--renderer", choices=sorted(RENDERERS), default=None,
                     help="--import: which report code renders it (default: from --name or the results' keys)")
     args = ap.parse_args(argv)
@@ -473,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.name:
                 raise Refused("--import needs --name")
             where = import_run(args.import_dir, args.name, args.command, args.commit, args.commit_note, args.renderer,
-                               args.load)
+                               args.load, args.cpu)
             print(f"imported {where}")
         if args.check:
             stale = out_of_date()

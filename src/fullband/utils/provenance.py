@@ -1,7 +1,8 @@
 """Where a result came from, and which of its fields a re-run cannot reproduce.
 
 Owns :func:`provenance` (the command line as run, the git commit of the checkout the package lives in and whether
-its tracked files were modified, the package and torch versions, the thread count, the date; recorded in every
+its tracked files were modified, the package and torch versions, the thread count, the CPU model and the vector
+instruction set torch's CPU kernels were dispatched for, the date; recorded in every
 experiment's ``results.json`` under ``provenance``), :func:`provenance_line` (its one line in a report) and
 :data:`UNREPRODUCIBLE_KEYS`: the names of the ``results.json`` keys, at any depth, that hold timings, load, dates,
 the platform or provenance. Everything else in a ``results.json`` is a function of the command, its seeds, the code
@@ -23,7 +24,8 @@ import torch
 # keys whose values differ between two runs of one command (wall clock, load, date, machine): skipped wherever they
 # occur when two results are compared; an experiment keeps every such value under one of these names
 UNREPRODUCIBLE_KEYS = frozenset({"provenance", "seconds", "train_seconds", "decode_seconds", "eval_seconds",
-                                 "step_seconds", "load_average", "platform", "cpu_count"})
+                                 "step_seconds", "load_average", "platform", "cpu_count", "cpu",
+                                 "cpu_capability"})
 
 
 def _git(args: list[str], cwd: str) -> str | None:
@@ -48,6 +50,20 @@ def source_checkout(path: str | None = None) -> dict:
     return {"git_commit": head.strip(), "git_dirty": None if status is None else bool(status.strip())}
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` where that is missing), ``None`` if neither
+    says. Two machines whose CPUs differ can pick different float kernels, so the same command and seed can give
+    results that differ in the last bits and, after training, in the printed digits."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def package_version() -> str | None:
     """The installed distribution's version (``None`` when the package runs without being installed)."""
     try:
@@ -70,12 +86,14 @@ def provenance(argv: list[str] | None = None, path: str | None = None) -> dict:
     """What produced a result: the command line (``argv``, default ``sys.argv`` as run), the package source's git
     commit and dirtiness (:func:`source_checkout`; as they were when the command started, if :func:`note_start`
     was called, with ``checkout_at_end`` added where they changed while it ran), package / torch / Python
-    versions, torch's CPU threads, the platform and the UTC date."""
+    versions, torch's CPU threads, the platform, the CPU model and torch's CPU kernel ISA (``AVX2``, ``AVX512``, ...)
+    and the UTC date."""
     now = source_checkout(path)
     start = _AT_START.get(path, now)
     out = {"command": list(sys.argv if argv is None else argv), **start,
            "package_version": package_version(), "torch": torch.__version__, "python": platform.python_version(),
-           "threads": torch.get_num_threads(), "platform": platform.platform(),
+           "threads": torch.get_num_threads(), "platform": platform.platform(), "cpu": cpu_model(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if now != start:
         out["checkout_at_end"] = now
@@ -95,7 +113,8 @@ def provenance_line(p: dict) -> str:
         where += (f" (the checkout changed while it ran: at its end commit {str(end.get('git_commit'))[:12]}"
                   + (" with uncommitted changes" if end.get("git_dirty") else "") + ")")
     return (f"Produced by `{shown}` at {where}, fullband {p.get('package_version')}, torch {p.get('torch')}, "
-            f"{p.get('threads')} thread(s), {p.get('date')}.")
+            f"{p.get('threads')} thread(s)" + (f", {p['cpu']} ({p.get('cpu_capability')})" if p.get("cpu") else "")
+            + f", {p.get('date')}.")
 
 
 def without_unreproducible(obj):
