@@ -183,12 +183,16 @@ def test_import_trims_and_writes_meta(tmp_path, monkeypatch):
     # a results.json that records its provenance: --command / --commit default to it
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     res["provenance"] = {"command": ["fullband", "experiment", "state", "--out", "a b"], "git_commit": head,
-                         "git_dirty": True, "date": "2026-12-02T01:00:00+00:00"}
+                         "git_dirty": True, "date": "2026-12-02T01:00:00+00:00", "cpu": "Some CPU",
+                         "cpu_capability": "AVX2"}
     (run / "results.json").write_text(json.dumps(res))
     assert rt.main(["--import", str(run), "--name", "prov"]) == 0
     meta = json.load(open(results / "prov" / "meta.json"))
     assert meta["command"] == "fullband experiment state --out 'a b'" and meta["commit"] == head
     assert meta["date"] == "2026-12-02T01:00:00+00:00" and "modified" in meta["commit_note"]
+    assert meta["cpu"] == "Some CPU (AVX2)" and "; CPU Some CPU (AVX2); " in rt.provenance(meta)
+    assert rt.main(["--import", str(run), "--name", "prov", "--cpu", "Other (AVX512)"]) == 0  # the flag wins
+    assert json.load(open(results / "prov" / "meta.json"))["cpu"] == "Other (AVX512)"
     del res["provenance"]
     (run / "results.json").write_text(json.dumps(res))
     assert rt.main(["--import", str(run), "--name", "z"]) == 2 and not (results / "z").exists()
