@@ -35,7 +35,8 @@ import sys
 import tempfile
 
 from fullband.commands import bench_decode, bench_train, data_bench
-from fullband.experiments import data_efficiency, depth, quickstart, quickstart_state, reasoning_report, state_report
+from fullband.experiments import (data_efficiency, depth, quickstart, quickstart_state, reasoning_report, recipe_report,
+                                  state_report)
 from fullband.serving import benchmark as serve_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,6 +82,10 @@ def _render_reasoning(res: dict) -> str:
     return reasoning_report.tables(res, full=True)
 
 
+def _render_recipe(res: dict) -> str:
+    return recipe_report.tables(res)
+
+
 def _render_bench_serve(res: dict) -> str:
     return serve_bench.markdown_tables(res)
 
@@ -113,6 +118,7 @@ RENDERERS = {
     "depth": (_render_depth, "fullband.experiments.depth", ("runs", "test")),
     "data-efficiency": (_render_data_efficiency, "fullband.experiments.data_efficiency", ()),
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
+    "recipe": (_render_recipe, "fullband.experiments.recipe", ("per_seed",)),
     "state": (_render_state, "fullband.experiments.state", ("per_seed",)),
     "quickstart-state": (_render_quickstart_state, "fullband.experiments.quickstart_state", ("per_seed",)),
     "quickstart": (_render_quickstart, "fullband.experiments.quickstart", ("samples", "running_state.rows",
