@@ -68,6 +68,7 @@ from ..eval.flops import flop_parameters, training_flops
 from ..eval.scoring import load_any_model, mode_logits
 from ..eval.state_tasks import (
     CHANCE,
+    IGNORE,
     LabelTable,
     dense_labels,
     encode_state_rows,
@@ -111,7 +112,8 @@ MULTIPLES = (1, 2, 4)
 
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "state"), layers=2, hidden=128, heads=4, steps=600,
                 batch_size=64, lr=2e-3, tasks="s3,s5,parity,vars", length=10, test_rows=200, pass_tol=0.01, seeds="0")
-OPTIONS = dict(plain_lrs=None, random_positions=False)  # the options of add_arguments (absent: these)
+OPTIONS = dict(plain_lrs=None, random_positions=False, length_curriculum=None,
+               curriculum_start=8)  # the options of add_arguments (absent: these)
 QUICK = dict(layers=1, hidden=32, heads=2, steps=6, batch_size=8, length=4, test_rows=8)
 
 
@@ -167,6 +169,14 @@ def add_arguments(r) -> None:
     r.add_argument("--random-positions", action="store_true",
                    help="train every arm on randomized positions (BOS at 0, the other position ids a sorted random "
                         "subset of 1..4T+1), so the 2T / 4T test rows' relative distances were all seen in training")
+    r.add_argument("--length-curriculum", type=float, default=None, metavar="FRACTION",
+                   help="train every arm (plain and FBT) with a curriculum in length: over the first FRACTION of its "
+                        "steps the labelled length grows linearly from --curriculum-start to T, then stays at T "
+                        "(the loss only at the first n inputs of each row; a causal model's later positions change "
+                        "nothing before them, so this is training on length-n rows; FLOPs are counted on whole rows) "
+                        "(default: none, every label from the first step)")
+    r.add_argument("--curriculum-start", type=int, default=OPTIONS["curriculum_start"], metavar="N",
+                   help="the labelled length at the first step of --length-curriculum (default: %(default)s)")
 
 
 @dataclasses.dataclass
@@ -176,13 +186,29 @@ class StateCorpus(Corpus):
     trained on other positions is not reused)."""
 
     position_range: int = 0
+    curriculum: tuple = ()  # (start, fraction) of a length curriculum (:func:`curriculum_length`); () for none
 
     @property
     def fingerprint(self) -> str:
         rows = rows_fingerprint(self.train_rows, self.val_rows)
-        if not self.position_range:
-            return rows
-        return hashlib.sha256(f"{rows} random positions {self.position_range}".encode()).hexdigest()
+        if self.position_range:
+            rows = hashlib.sha256(f"{rows} random positions {self.position_range}".encode()).hexdigest()
+        if self.curriculum:
+            rows = hashlib.sha256(f"{rows} length curriculum {tuple(self.curriculum)}".encode()).hexdigest()
+        return rows
+
+
+def curriculum_length(step: int, steps: int, length: int, curriculum: tuple = ()) -> int:
+    """The inputs labelled at (0-based) ``step`` of ``steps`` under a length curriculum ``(start, fraction)``:
+    ``start`` at step 0, growing linearly to ``length`` over the first ``fraction`` of the steps, ``length`` from
+    then on (and without a curriculum)."""
+    if not curriculum:
+        return length
+    start, fraction = curriculum
+    ramp = fraction * steps
+    if step >= ramp:
+        return length
+    return min(length, start + int((length - start + 1) * step / ramp))
 
 
 def random_positions(batch: int, length: int, limit: int, generator: torch.Generator) -> torch.Tensor:
@@ -195,7 +221,8 @@ def random_positions(batch: int, length: int, limit: int, generator: torch.Gener
 
 class StateRecipe(PretrainRecipe):
     """Pre-training on running-state rows with a label at every input position (:func:`dense_labels`); with a
-    corpus of randomized positions, each micro-batch's ``position_ids`` (seeded by the run's seed and the step)."""
+    corpus of randomized positions, each micro-batch's ``position_ids`` (seeded by the run's seed and the step); with
+    a length curriculum, labels only at the first :func:`curriculum_length` inputs of each row."""
 
     def batch(self, step, num_passes, generator, env):
         sb = super().batch(step, num_passes, generator, env)
@@ -203,8 +230,12 @@ class StateRecipe(PretrainRecipe):
         self._table = table
         limit = getattr(self.corpus, "position_range", 0)
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step) if limit else None
+        curriculum = getattr(self.corpus, "curriculum", ())
         for mb in sb.micro:
             mb["labels"] = dense_labels(mb["input_ids"], table)
+            if curriculum:  # labels[:, i + 1] is input i's: inputs past n unlabelled (a causal model: length-n rows)
+                n = curriculum_length(step, self.cfg.steps, mb["input_ids"].shape[1] - 2, curriculum)
+                mb["labels"][:, n + 2:] = IGNORE
             if limit:  # an explicit all-ones mask: gapped ids without one may be read as packed samples' starts
                 ids = mb["input_ids"]
                 mb["position_ids"] = random_positions(*ids.shape, limit, g).to(ids.device)
@@ -257,13 +288,20 @@ def position_range(args) -> int:
     return (MULTIPLES[-1] * args.length + 2) if args.random_positions else 0
 
 
+def curriculum_of(args) -> tuple:
+    """``(start, fraction)`` of ``--length-curriculum`` (``()`` without one)."""
+    fraction = getattr(args, "length_curriculum", None)
+    return () if fraction is None else (getattr(args, "curriculum_start", OPTIONS["curriculum_start"]), fraction)
+
+
 def training_corpus(args, tokenizer, steps: int, seed: int, held: HeldOut) -> StateCorpus:
-    """``steps`` batches of fresh training rows, none of them a held-out row (drawn apart, then checked)."""
+    """``steps`` batches of fresh training rows, none of them a held-out row (drawn apart, then checked), with the
+    run's positions and length curriculum."""
     rows = encode_state_rows(tokenizer, make_state_problems(args.tasks_list, steps * args.batch_size, seed,
                                                             args.length, exclude=held.keys))
     held.refuse(rows, "the training rows")
     return StateCorpus(tokenizer, rows, torch.empty(0, rows.shape[1], dtype=torch.long), ["state-train"], [],
-                       position_range=position_range(args))
+                       position_range=position_range(args), curriculum=curriculum_of(args))
 
 
 def parse_seeds(args) -> list[int]:
@@ -413,6 +451,11 @@ def run_state(args, show: bool = True) -> dict:
                          f"got {args.test_rows}")
     if args.pass_tol <= 0:
         raise ValueError(f"--pass-tol must be > 0, got {args.pass_tol}")
+    if args.length_curriculum is not None and not 0 < args.length_curriculum <= 1:
+        raise ValueError(f"--length-curriculum is the fraction of the steps the length grows over, in (0, 1]; got "
+                         f"{args.length_curriculum}")
+    if args.length_curriculum is not None and not 1 <= args.curriculum_start <= args.length:
+        raise ValueError(f"--curriculum-start must be in 1..--length ({args.length}), got {args.curriculum_start}")
     seeds = parse_seeds(args)
     parse_lrs(args)
     if position_range(args) > MAX_POSITIONS:

@@ -86,14 +86,22 @@ def ci_scope(res: dict) -> str:
             "nothing about another seed")
 
 
+def curriculum_note(settings: dict) -> str:
+    """What the captions add where the arms were trained with a length curriculum (nothing where they were not)."""
+    if settings.get("length_curriculum") is None:
+        return ""
+    return (f" with a length curriculum: labelled length {settings['curriculum_start']} at the first step, growing "
+            f"linearly to T over the first {settings['length_curriculum']:g} of each arm's steps")
+
+
 def tables(res: dict) -> str:
     lengths = sorted({r["length"] for r in res["table"]})
     seeds = ci_scope(res)
     out = []
     for task in res["settings"]["tasks"].split(","):
         out += [f"**{task}** (per-position accuracy [95% CI] / last-position accuracy, {seeds}; trained at T = "
-                f"{res['settings']['length']}; chance {CHANCE[task]:.3f}; inference FLOPs per token x the L-layer "
-                "model's standard pass, at each T)", "",
+                f"{res['settings']['length']}{curriculum_note(res['settings'])}; chance {CHANCE[task]:.3f}; "
+                "inference FLOPs per token x the L-layer model's standard pass, at each T)", "",
                 "| arm | mode | " + " | ".join(f"T={n}" for n in lengths) + " | inference FLOPs |",
                 "| --- | --- |" + " ---: |" * (len(lengths) + 1)]
         rows = {}
@@ -199,6 +207,8 @@ def report(res: dict, text: str) -> str:
                 "in training; scored on contiguous positions. " if s.get("position_range") else
                 "Positions contiguous in training (0..T+1): at 2T and 4T the model meets relative distances it never "
                 "saw (RoPE extrapolation and state extrapolation are not separated; --random-positions does). ")
+             + (f"Every arm trained{curriculum_note(s)} (the loss only at the first n inputs of each row; FLOPs "
+                "counted on whole rows). " if s.get("length_curriculum") is not None else "")
              + f"Training {train_s:.0f}s summed over the runs; this invocation "
              f"{res['seconds']:.0f}s wall (finished runs are reused), load average {res['load_average'][0]} at the "
              f"start and {res['load_average'][1]} at the end, {res['threads']} thread(s).", "", "Arms:", ""]
