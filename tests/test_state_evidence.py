@@ -21,7 +21,7 @@ from fullband.eval.state_tasks import (
     problem_key,
     state_tokenizer,
 )
-from fullband.experiments import state
+from fullband.experiments import state, state_data
 from fullband.training.config import TrainConfig
 from fullband.training.pretrain import rows_fingerprint
 
@@ -189,8 +189,8 @@ def test_the_experiment_refuses_to_score_a_row_it_trained_on(monkeypatch):
     with pytest.raises(RuntimeError, match="refuses to score"):
         held.refuse(leaked, "baseline-L")
     # a draw that ignored the exclusion is caught by the token-row check, before anything trains
-    real = state.make_state_problems
-    monkeypatch.setattr(state, "make_state_problems",
+    real = state_data.make_state_problems
+    monkeypatch.setattr(state_data, "make_state_problems",
                         lambda *a, exclude=frozenset(), **k: real(*a, **k))
     with pytest.raises(RuntimeError, match="held-out"):
         state.training_corpus(args, tok, 12, 5, state.held_out(args, tok))
