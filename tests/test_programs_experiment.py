@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -21,6 +22,7 @@ from fullband.eval.program_tasks import Program
 from fullband.experiments import programs
 from fullband.utils.provenance import first_difference
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["experiment", "programs", "--quick"]
 FBT_MODES = ["standard", "K=2", "exact", "soft", "fused"]
 
@@ -250,6 +252,25 @@ def test_second_invocation_reuses_and_more_seeds_train_only_the_new(quick, tmp_p
     assert "mean of 2 seeds; the 95% CI resamples the test programs within each seed (not the seeds" in stdout
 
 
+def test_the_docs_renderer_reads_the_trimmed_results(quick):
+    """``docs/gen/results_tables.py``'s ``programs`` renderer: the tables from results.json without its per-program
+    lists (what an import commits), the same text the run wrote; the run's sources include this experiment's
+    modules and what trains and scores it."""
+    out, _ = quick
+    spec = importlib.util.spec_from_file_location("docs_gen_results_tables",
+                                                  os.path.join(ROOT, "docs", "gen", "results_tables.py"))
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    render, module, trimmed = rt.RENDERERS["programs"]
+    text = render(rt.trim(load(out), trimmed))
+    assert "per_seed" in trimmed and text in open(os.path.join(out, "report.md")).read()
+    sources = rt.default_sources(module)
+    for path in ("experiments/programs.py", "experiments/programs_report.py", "experiments/synthetic.py",
+                 "training/labelled.py", "eval/labelled.py", "eval/program_tasks.py"):
+        assert f"src/fullband/{path}" in sources
+    assert not any("state" in p for p in sources)  # the state experiment's edits do not stale this page
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 
@@ -299,14 +320,16 @@ def test_held_out_check_reads_the_rows_themselves(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--vars", "6"], "--vars must be in 1..5"),
     (["--test-statements", "6,600"], "past the backbones' 2048 positions"),
-    (["--test-statements", "12"], "the training length --statements 6 among them"),
+    (["--test-statements", "12"], "the training length --statements 6 must be among them"),
+    (["--test-statements", "6,3"], "--test-statements needs distinct integers >= 4"),
     (["--test-statements", "6,x"], "--test-statements takes comma-separated integers"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--hidden", "36", "--heads", "5"], "times an even head width"),
     (["--hidden", "30", "--heads", "2"], "times an even head width"),
     (["--arms", "baseline-L,baseline-L-flops"], "needs an FBT arm"),
     (["--arms", "nope"], "unknown arm"),
-    (["--seeds", "0,0"], "--seeds needs distinct integers"),
+    (["--seeds", "0,0"], "--seeds needs distinct integers >= 0"),
+    (["--seeds", "a"], "--seeds takes comma-separated integers"),
     (["--seeds", "0", "--seed", "1"], "give --seeds or --seed"),
 ])
 def test_bad_options_one_line_exit_2_nothing_written(extra, message, tmp_path):

@@ -44,11 +44,15 @@ Seeds (``--seeds 0,1``): each seed is a whole experiment in ``OUT/seed{N}/`` (it
 runs); a later invocation with more seeds trains only the new ones. Writes ``results.json`` (per-program results
 in ``per_seed``), ``report.md`` and ``programs.png`` into ``--out``.
 
-On a GPU, 100 statements (the paper's length; rows of ~445 tokens, at most ~530; 200-statement tests ~890, at
-most ~1,000, inside the 2,048 positions)::
+The default is sized for a 2-core CPU: 20 statements (rows of ~88 tokens, at most ~125), d64 L2, 2,000 steps x 32
+programs; one seed's default arms train in about half an hour at 1 thread (measured per step at load 1.7-3.4:
+baseline-L 0.05-0.07 s, 2L 0.11-0.13 s, 4L 0.22 s, fbt-L-glu-x2 0.29 s, the controls 0.05-0.06 s for ~2.5x the
+steps), longer under more load. On a GPU, 100 statements (the paper's length; rows of ~445 tokens, at most ~530;
+200-statement tests ~890, at most ~1,000, inside the 2,048 positions; the peak LR is the CPU default's, untried at
+this size)::
 
     fullband experiment programs --device cuda --statements 100 --test-statements 100,200 --rows 200000 \\
-        --test-rows 1000 --layers 4 --hidden 192 --heads 6 --steps 20000 --batch-size 128 --lr 1e-3 \\
+        --test-rows 1000 --layers 4 --hidden 192 --heads 6 --steps 20000 --batch-size 128 \\
         --seeds 0,1 --out runs/experiments/programs-100
 
 (``fullband train --dry-run --plan-gpu h100`` at d192 L4, batch 128 x 512 tokens: a plain step 0.87 TFLOP, the
@@ -231,8 +235,8 @@ class SeedData:
         self.checked = {id(self.train): refuse_held_out(self.train, self.keys, "the training programs")}
 
     def fresh(self, a, steps: int) -> ProgramData:
-        """The FLOPs control's fresh programs (stream ``fresh``, none a test program): enough for ``steps`` steps to
-        read each one as often as ``steps`` of baseline-L's steps read baseline-L's."""
+        """The FLOPs control's fresh programs (stream ``fresh``, none a test program), as many as make its ``steps``
+        steps read each one as often as baseline-L's ``--steps`` read baseline-L's ``--rows``."""
         count = math.ceil(self.args.rows * steps / self.args.steps)
         programs = draw_programs(self.args.seed, "fresh", count, self.args.vars, self.args.statements, self.keys)
         refuse_long(programs, "the fresh programs")
@@ -352,20 +356,21 @@ def inference_costs(model, ref_fp: dict, tests: dict, prompt: int) -> dict:
 # ---------------------------------------------------------------------------------------------- command
 
 
-def parse_seeds(text: str) -> list[int]:
+def comma_ints(text, flag: str, example: str, least: int = 0) -> list[int]:
+    """Distinct integers >= ``least`` of a comma-separated ``flag`` value; a one-line ``ValueError`` otherwise."""
     try:
-        seeds = [int(x) for x in str(text).split(",") if x.strip()]
+        values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--seeds takes comma-separated integers, e.g. 0,1; got {text!r}") from None
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds needs distinct integers >= 0, got {text!r}")
-    return seeds
+        raise ValueError(f"{flag} takes comma-separated integers, e.g. {example}; got {text!r}") from None
+    if not values or min(values) < least or len(set(values)) != len(values):
+        raise ValueError(f"{flag} needs distinct integers >= {least}, got {text!r}")
+    return values
 
 
 def check_args(args) -> list[int]:
     """Every option checked before anything is drawn or written (one-line ``ValueError``s); fills in ``rows``
     (``--steps`` x ``--batch-size`` when not given: each program read once by the equal-token arms) and
-    ``test_lengths``; returns the seeds."""
+    ``test_lengths``; returns the seeds (``--seeds``, or ``--seed N``: one)."""
     for name in ("steps", "batch_size", "test_rows", "layers", "hidden", "heads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -378,18 +383,15 @@ def check_args(args) -> list[int]:
     if args.rows < 1:
         raise ValueError(f"--rows must be >= 1, got {args.rows}")
     text = args.test_statements or f"{args.statements},{2 * args.statements}"
-    try:
-        lengths = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--test-statements takes comma-separated integers, e.g. 20,40; got {text!r}") from None
-    if args.statements not in lengths or len(set(lengths)) != len(lengths) or min(lengths) < args.vars + 1:
-        raise ValueError(f"--test-statements needs distinct lengths >= --vars + 1 = {args.vars + 1}, the training "
-                         f"length --statements {args.statements} among them; got {text!r}")
+    lengths = comma_ints(text, "--test-statements", "20,40", args.vars + 1)
+    if args.statements not in lengths:
+        raise ValueError(f"--test-statements {text}: the training length --statements {args.statements} must be "
+                         "among them")
     args.test_lengths = sorted(lengths)
     if args.seeds is not None and args.seed is not None:
         raise ValueError("give --seeds or --seed, not both (--seed N is --seeds N)")
-    return parse_seeds(args.seeds if args.seeds is not None else args.seed if args.seed is not None
-                       else DEFAULTS["seeds"])
+    return comma_ints(args.seeds if args.seeds is not None else args.seed if args.seed is not None
+                      else DEFAULTS["seeds"], "--seeds", "0,1")
 
 
 def seed_args(args, seed: int):

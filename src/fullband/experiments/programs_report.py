@@ -169,7 +169,9 @@ def tables(res: dict) -> str:
         out.append("")
     out += ["**Training** (FLOPs counted from each run's own metrics, every pass, a pass without gradient at its "
             "forward, at batch x the longest training row's tokens per step: rows are padded to their batch's "
-            "longest, so the count is nominal and alike for every arm; mean over seeds; seconds summed over seeds)",
+            "longest, so the count is nominal, alike for every arm on the same programs; baseline-L-flops' fresh "
+            "programs may hold a longer row, counted so at the same steps; the controls' steps match the first FBT "
+            "arm's FLOPs at baseline-L's row length; mean over seeds; seconds summed over seeds)",
             "", "| arm | layers | parameters | steps | training programs | training FLOPs | x baseline-L | "
                 "K = T + 1 on the same steps | training s |", "| --- |" + " ---: |" * 8]
     for arm, r in res["runs"].items():
