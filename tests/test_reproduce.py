@@ -20,7 +20,7 @@ from fullband.utils.provenance import UNREPRODUCIBLE_KEYS, drift, first_differen
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the smallest settings the experiment tests run (tests/test_experiments.py, test_recipe.py, test_depth.py,
-# test_state.py, test_train.py), ``{data}``: the conftest corpus
+# test_state.py, test_programs_experiment.py, test_train.py), ``{data}``: the conftest corpus
 COMMANDS = {
     "quickstart": ["quickstart", "--no-progress", "--quiet", "--preset", "micro", "--steps", "4", "--batch-size", "2",
                    "--seq-len", "32", "--vocab-size", "300", "--eval-rows", "2", "--samples", "1",
@@ -33,6 +33,7 @@ COMMANDS = {
                "--trunk-steps", "3", "--branch-steps", "2", "--eval-rows", "2", "--seeds", "0"],
     "depth": ["experiment", "depth", "--quick", "--arms", "baseline-L,fbt-L"],
     "state": ["experiment", "state", "--quick", "--no-cost", "--arms", "baseline-L,fbt-L-glu"],
+    "programs": ["experiment", "programs", "--quick"],
 }
 
 

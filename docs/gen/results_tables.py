@@ -35,8 +35,8 @@ import sys
 import tempfile
 
 from fullband.commands import bench_decode, bench_train, data_bench
-from fullband.experiments import (data_efficiency, depth, quickstart, quickstart_state, reasoning_report, recipe_report,
-                                  state_report)
+from fullband.experiments import (data_efficiency, depth, programs_report, quickstart, quickstart_state,
+                                  reasoning_report, recipe_report, state_report)
 from fullband.serving import benchmark as serve_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,6 +56,10 @@ class Refused(Exception):
 
 def _render_state(res: dict) -> str:
     return state_report.tables(res)
+
+
+def _render_programs(res: dict) -> str:
+    return programs_report.tables(res)
 
 
 def _render_quickstart_state(res: dict) -> str:
@@ -120,6 +124,7 @@ RENDERERS = {
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
     "recipe": (_render_recipe, "fullband.experiments.recipe", ("per_seed",)),
     "state": (_render_state, "fullband.experiments.state", ("per_seed",)),
+    "programs": (_render_programs, "fullband.experiments.programs", ("per_seed",)),
     "quickstart-state": (_render_quickstart_state, "fullband.experiments.quickstart_state", ("per_seed",)),
     "quickstart": (_render_quickstart, "fullband.experiments.quickstart", ("samples", "running_state.rows",
                                                                           "running_state.interventions")),

@@ -12,9 +12,12 @@
 * ``state`` (:mod:`fullband.experiments.state`): running-state tasks with a label at every position (S3 / S5 word
   problem, parity, variable tracking) -- FBT trained with long recurrences vs baselines of 1, 2 and 4x depth, at T,
   2T, 4T;
+* ``programs`` (:mod:`fullband.experiments.programs`): the Feedback Transformer's algorithmic task (programs over
+  3 or 5 variables, scored on the printed values) -- FBT trained on the exact recurrence at linear cost vs plain
+  models of 1, 2 and 4x depth and the equal-FLOPs controls, at the training length and beyond;
 
 Each writes ``results.json`` and ``report.md`` into ``--out`` and prints its tables; trained models stay in
-``OUT/runs/`` (``OUT/seed*/`` for the recipe grid, ``OUT/seed*/runs/`` for the state experiment).
+``OUT/runs/`` (``OUT/seed*/`` for the recipe grid, ``OUT/seed*/runs/`` for the state and programs experiments).
 
 This module owns their command line only (options, defaults, help texts); what each experiment trains, measures
 and reports is its module's in :mod:`fullband.experiments`.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..experiments import data_efficiency, depth, reasoning, recipe, state
+from ..experiments import data_efficiency, depth, programs, reasoning, recipe, state
 from ..experiments.common import RECIPE
 from ..training.config import TrainConfig
 
@@ -198,6 +201,33 @@ def add_state_parser(ex) -> None:
     r.set_defaults(func=lambda args: (state.run_state(args), 0)[1])
 
 
+def add_programs_parser(ex) -> None:
+    """Register ``fullband experiment programs`` on the ``experiment`` sub-parsers."""
+    d = programs.DEFAULTS
+    r = ex.add_parser("programs", help="the Feedback Transformer's algorithmic task (programs over 3 or 5 variables, "
+                                       "accuracy on printed values): FBT vs plain models of 1, 2, 4x depth and the "
+                                       "equal-FLOPs controls",
+                      description=programs.__doc__.split("\n\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(r, d)
+    r.add_argument("--vars", type=int, default=d["vars"], help="variables, 1..5 (the paper: 3 and 5) (default: "
+                                                               "%(default)s)")
+    r.add_argument("--statements", type=int, default=d["statements"], metavar="N",
+                   help="statements per training program, the opening assignments included (default: %(default)s)")
+    r.add_argument("--test-statements", default=d["test_statements"], metavar="N,..",
+                   help="comma-separated statements per test program, N among them (default: N,2N: length "
+                        "generalisation)")
+    r.add_argument("--rows", type=int, default=d["rows"],
+                   help="training programs per seed (default: --steps x --batch-size: each read once)")
+    r.add_argument("--test-rows", type=int, default=d["test_rows"],
+                   help="test programs per length and seed (default: %(default)s)")
+    r.add_argument("--arms", default=None,
+                   help=f"comma-separated arms (default: {','.join(programs.DEFAULT_ARMS)}); also "
+                        + ", ".join(programs.ARM_NAMES[len(programs.DEFAULT_ARMS):]))
+    add_run_arguments(r, d, "per-program")
+    r.set_defaults(func=lambda args: (programs.run_programs(args), 0)[1])
+
+
 def add_reasoning_parser(ex) -> None:
     r = ex.add_parser("reasoning", help="baseline vs FBT on synthetic problems with traces of mixed verbosity: "
                                         "accuracy and trace length per mode, equal tokens and equal FLOPs",
@@ -276,7 +306,8 @@ def add_data_efficiency_parser(ex) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning, depth, state",
+    p = sub.add_parser("experiment", help="experiments: recipe (the feedback recipe grid), data-efficiency, reasoning, "
+                                          "depth, state, programs",
                        description=__doc__.split("\n\n")[0])
     ex = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
@@ -286,3 +317,4 @@ def add_parser(sub) -> None:
     add_recipe_parser(ex)
     add_depth_parser(ex)
     add_state_parser(ex)
+    add_programs_parser(ex)
