@@ -152,7 +152,7 @@ def _worker(rank: int, root: str) -> None:
         # the reference for the parent process: the full tensors, gathered here only to be compared with
         _write_full_state(model, optimizer, rank, f"{root}/model_ref", f"{root}/optim_ref")
     finally:
-        dist.destroy_process_group()
+        D.shutdown(env)  # the package's teardown (a barrier per gloo worker, then destroy): see its docstring
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +288,7 @@ def _reshard_worker(rank: int, root: str, world: int, run: str, tag: str, gather
             json.dump(local(fresh.get_input_embeddings().weight).shape[0], f)
         _write_full_state(fresh, fresh_opt, rank, f"{root}/{tag}-model", f"{root}/{tag}-optim")
     finally:
-        dist.destroy_process_group()
+        D.shutdown(env)  # the package's teardown (a barrier per gloo worker, then destroy): see its docstring
 
 
 def _assert_same_tensors(got: dict, want: dict) -> None:
@@ -401,7 +401,7 @@ def _reset_worker(rank: int, root: str) -> None:
                 json.dump(model.config.embed_rms, f)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        D.shutdown(env)  # the package's teardown (a barrier per gloo worker, then destroy): see its docstring
 
 
 def test_switching_feedback_on_under_fsdp_initialises_the_fusion_as_one_process_does(tmp_path):
