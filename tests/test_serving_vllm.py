@@ -150,7 +150,9 @@ def run_vllm(tmp: Path, runs: list[dict], name: str) -> tuple[list[dict], str]:
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(HELPER), str(spec_path), str(out_path), str(stats)],
                           capture_output=True, text=True, timeout=TIMEOUT * len(runs), env=_env(tmp))
-    assert proc.returncode == 0 and out_path.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)  # the whole log, for a failure's first error
+    assert proc.returncode == 0 and out_path.exists(), (f"whole log: {tmp / f'{name}.log'}\n"
+                                                        + proc.stdout[-3000:] + proc.stderr[-6000:])
     results = json.loads(out_path.read_text())
     for i, result in enumerate(results):
         path = Path(f"{stats}.{i}.json")
@@ -277,6 +279,30 @@ def test_preemption_exact_soft_and_fused(ckpt):
         s = got["scheduler"]
         assert s["preemptions"] >= 2 and s["reprefilled_prompt_tokens"] > 0, (mode, s)
         assert s["recomputed_generated_tokens"] > 0, (mode, s)  # resumed answers re-run through the recurrence
+
+
+@needs_vllm
+def test_a_resumed_request_never_hits_its_own_last_prompt_token(ckpt):
+    """Prefix caching and preemption together, the case the 20-client load test met once by chance: request A's prompt
+    is exactly 2 blocks (64 tokens), and B's prompt (first, 80 tokens) holds A's whole prompt as its prefix, so B's
+    two full prompt blocks are cached. A new A hits only its first block (vLLM stops a hit before a prompt's last
+    token), but A preempted after its first answer token counts 65 tokens: without the plugin's cap its lookup would
+    hit B's 2 blocks, covering A's last prompt token, whose final hidden state -- A's first fed-back state -- would
+    then never be recomputed, and A's second token would be fused with a state page nobody wrote. The pool (B's 3
+    blocks and state page, A's new block and state page, vLLM's null block) has no block for A's answer: vLLM
+    preempts A right after its prefill, B finishes, A resumes. Every answer equals generate(soft)."""
+    shared = _prompts([64], seed=91)[0]
+    prompts = [shared + _prompts([17], seed=92)[0][1:], shared]  # B (80 tokens), A (64 tokens)
+    new = [8, 12]
+    want = reference(ckpt["llama"], prompts, new)
+    (got,), _ = run_vllm(ckpt["root"], [dict(model=ckpt["llama"], prompts=prompts, max_tokens=new, engine=dict(
+        max_num_seqs=2, max_model_len=96, num_gpu_blocks_override=7, block_size=32, enable_prefix_caching=True,
+        disable_log_stats=False))], "resume-hit")
+    s = got["scheduler"]
+    for i, (g, w) in enumerate(zip(got["outputs"], want)):
+        assert g == w, f"prompt {'BA'[i]}: vLLM {g} != generate(soft) {w} (scheduler {s})"
+    # A was preempted, and resumed by re-prefilling its last prompt block (tokens 32-63; the first block a hit)
+    assert s["preemptions"] >= 1 and s["reprefilled_prompt_tokens"] >= 32, s
 
 
 @needs_vllm

@@ -17,8 +17,11 @@ Owns
     tokens would write -- a hit serves exactly ``generate(soft)``'s KV. A block holding a generated token (its KV
     was written by a fused decode step, the feedback KV) is never cached, so a later prompt that equals an earlier
     prompt + answer is prefilled plainly, as ``generate(soft)`` on it does. A hit never covers a prompt's last
-    token, whose final hidden state is the first fed-back state (vLLM's own limit for a new request; the cap
-    keeps it for a resumed one, whose token count includes its answer);
+    token, whose final hidden state is the first fed-back state: vLLM looks a hit up to the request's tokens but
+    one, which stops a new request before that token; a resumed request's tokens include its answer, so its lookup
+    is capped at its prompt (:class:`PromptOnly`) -- without that, a preempted request whose prompt ends on a block
+    boundary would hit blocks another request with a longer prompt cached, its first fed-back state would never be
+    recomputed, and its next token would be fused with a state page nobody wrote;
   - **preemption**: vLLM preempts a request by freeing its blocks and later recomputes prompt + generated tokens
     as a prefill. :meth:`FeedbackScheduler._reserve_prefill_lookahead` (the per-request chunk-size hook of both
     scheduling loops) ends every chunk at the prompt's end and schedules positions past it one per step: the
@@ -82,6 +85,23 @@ def register_state_spec() -> None:
 register_state_spec()
 
 
+class PromptOnly:
+    """A request as the prefix-cache lookup sees it: its prompt alone (``num_tokens`` at most the prompt's), every
+    other attribute the request's. vLLM's lookup hits at most ``num_tokens - 1`` tokens."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request):
+        self.request = request
+
+    def __getattr__(self, name):
+        return getattr(self.request, name)
+
+    @property
+    def num_tokens(self) -> int:
+        return min(self.request.num_tokens, self.request.num_prompt_tokens)
+
+
 class _FeedbackScheduling:
     """The fullband rules, mixed into vLLM's scheduler classes."""
 
@@ -98,6 +118,9 @@ class _FeedbackScheduling:
 
     def _cache_prompt_blocks(self, request, num_computed_tokens: int) -> None:
         self._cache_all_blocks(request, min(num_computed_tokens, request.num_prompt_tokens - 1))
+
+    def _get_local_prefix_cache_hit(self, request):
+        return super()._get_local_prefix_cache_hit(PromptOnly(request))  # never past the prompt's last token
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
