@@ -472,15 +472,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def exit_after_vllm() -> None:
-    """After a finished lm-eval run that used vLLM: shut every vLLM engine of this process down, run the exit
-    handlers, flush, and leave without the interpreter's teardown (``os._exit(0)``); without vLLM, return.
-
-    Why: after lm-eval had written its results, vLLM's CPU build sometimes aborted the process during interpreter
-    teardown ("terminate called without an active exception", exit -6): 2 of 2 runs in one CI run, 1 of about 6
-    here, always after vLLM's own shutdown had finished, so a finished evaluation exited as failed. The engines are
-    stopped here while the interpreter is whole (as vLLM's ``LLM`` is meant to be: ``engine_core.shutdown()``); the
-    Python exit handlers still run; only the C-level teardown that aborted is skipped. A run that raised never
-    reaches this (its exception and exit status are lm-eval's)."""
+    """After a finished run that used vLLM: shut its engines down while the interpreter is whole, run the exit
+    handlers, flush, ``os._exit(0)``; without vLLM, return. vLLM's CPU build sometimes aborted a finished run in the
+    interpreter's teardown, after its own shutdown ("terminate called without an active exception", exit -6: 2 of 2
+    in one CI run, about 1 in 6 here); only that C-level teardown is skipped. A run that raised never gets here."""
     llm_module = sys.modules.get("vllm.entrypoints.llm")
     if llm_module is None:
         return
