@@ -487,3 +487,70 @@ def test_collect_runs_refuses_and_writes_nothing(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]  # less progress lines
     assert len(err) == 1 and "command 2 exited 2" in err[0] and "--loss-chunk" in err[0], err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_gathered_state_probes_render_each_probe_s_own_numbers(tmp_path, capsys):
+    """collect_runs --results gathers finished one-arm state probes (nothing run), each cut to --keep, its command
+    from its own provenance; the state-probes renderer prints, per probe and task, that probe's exact-mode
+    per-position accuracy at every length, with its LR and curriculum. A run without provenance, or one lacking a
+    kept key, is refused in one line and nothing is written."""
+    cr, rt = _load("collect_runs"), _load("results_tables")
+    runs = []
+    for name, extra in (("a", []), ("b", ["--lr", "5e-4", "--length-curriculum", "0.5", "--curriculum-start", "4"])):
+        out = tmp_path / name
+        done = _run(sys.executable, "-m", "fullband.cli", "experiment", "state", "--quick", "--arms", "fbt-L-glu-x2",
+                    "--tasks", "parity,s3", "--no-cost", "--seeds", "0", *extra, "--out", str(out),
+                    env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=TINY_TIMEOUT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.load(open(out / "results.json")))
+    gathered = tmp_path / "gathered"
+    keep = "settings,table,arms,seeds,provenance"
+    assert cr.main(["--out", str(gathered), "--keep", keep, "--results", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    res = json.load(open(gathered / "results.json"))
+    assert [sorted(e["report"]) for e in res["reports"]] == [sorted(keep.split(","))] * 2
+    assert all(e["command"] == shlex.join(r["provenance"]["command"]) for e, r in zip(res["reports"], runs))
+    text = rt.RENDERERS["state-probes"][0](res)
+    lines = [line for line in text.splitlines() if line.startswith("| fbt-L-glu-x2 |")]
+    assert len(lines) == 4  # 2 probes x 2 tasks, in the probes' order
+    for line, (run, task) in zip(lines, [(runs[0], "parity"), (runs[0], "s3"), (runs[1], "parity"), (runs[1], "s3")]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        lengths = run["settings"]["lengths"]
+        want = {r["length"]: r["pos"]["estimate"] for r in run["table"]
+                if r["arm"] == "fbt-L-glu-x2" and r["task"] == task and r["mode"] == "exact"}
+        assert cells[6:8] == [task, "exact"] and cells[8:] == [f"{want[n]:.2f}" for n in lengths]
+        assert cells[1] == f"{run['settings']['lr']:g}"
+    assert "| none |" in lines[0] and f"4 -> {runs[1]['settings']['length']} over the first 0.5" in lines[2]
+    # refusals: a key the run lacks; a results.json without provenance -- one line each, nothing written
+    bad = tmp_path / "bad"
+    assert cr.main(["--out", str(bad), "--keep", "settings,nope", "--results", str(tmp_path / "a")]) == 2
+    assert "no nope in its results.json" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "results.json").write_text(json.dumps({"settings": {}}))
+    assert cr.main(["--out", str(bad), "--keep", "settings", "--results", str(bare)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "records no provenance command" in err[0]
+    assert not bad.exists()
+
+
+# ---- (e) experiment pages: every result table generated
+
+# tables on an experiment page that hold no measured numbers (what an arm is), by their header row
+DESCRIPTIVE_TABLES = {"| arm | what | equal-token reference | equal-FLOPs reference |"}
+
+
+def test_experiment_pages_hold_no_hand_copied_result_tables():
+    """Every table of measured numbers on an experiment page comes in through a generated page (``--8<--
+    "results/generated/NAME.md"``, rendered from docs/results/NAME/results.json by docs/gen/results_tables.py); a
+    Markdown table written into the page itself is allowed only where it describes, with no numbers
+    (DESCRIPTIVE_TABLES)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "experiments", "*.md"))):
+        lines = open(path, encoding="utf-8").read().splitlines()
+        for i, line in enumerate(lines):
+            starts = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
+            if starts and line.strip() not in DESCRIPTIVE_TABLES:
+                found.append(f"{os.path.relpath(path, ROOT)}:{i + 1}: {line[:80]}")
+        for include in re.findall(r'^--8<-- "results/generated/([\w.-]+)\.md"', "\n".join(lines), re.M):
+            assert os.path.isfile(os.path.join(ROOT, "docs", "results", include, "results.json")), include
+    assert not found, "hand-written tables on experiment pages:\n" + "\n".join(found)

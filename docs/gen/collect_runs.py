@@ -5,6 +5,10 @@ at several row lengths).
 Usage::
 
     python docs/gen/collect_runs.py --out DIR -- "fullband bench train --json --seq-len 16" "fullband bench ..."
+    python docs/gen/collect_runs.py --out DIR --results RUN1 RUN2 ... --keep settings,table,arms,seeds,provenance
+
+The second form runs nothing: it gathers runs that already finished (each ``RUN/results.json``, e.g. one-arm probes
+of ``fullband experiment state``), each report cut to the ``--keep`` keys, its command read from its provenance.
 
 Each command is split with :func:`shlex.split` and run with the environment as given (no shell); its stdout must be
 one JSON report (``--json`` where the command has the option). ``DIR/results.json`` holds ``{"reports": [{"command", "report"}, ...], "load_average": [start,
@@ -53,14 +57,48 @@ def collect(commands: list[str], progress=print, argv: list[str] | None = None) 
             "seconds": time.perf_counter() - t0, "provenance": provenance(argv)}
 
 
+def gather(dirs: list[str], keep: list[str], argv: list[str] | None = None) -> dict:
+    """The finished runs ``dirs`` (each with a ``results.json`` that records its ``provenance``), each cut to
+    ``keep``; the collection's load average is the range of the runs' own, its threads theirs."""
+    reports, loads, threads = [], [], set()
+    for d in dirs:
+        path = os.path.join(d, "results.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--results {d}: no results.json there")
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+        prov = res.get("provenance") or {}
+        if not isinstance(prov.get("command"), list):
+            raise ValueError(f"--results {d}: its results.json records no provenance command")
+        missing = [k for k in keep if k not in res]
+        if missing:
+            raise ValueError(f"--results {d}: no {', '.join(missing)} in its results.json (--keep)")
+        reports.append({"command": shlex.join(map(str, prov["command"])), "report": {k: res[k] for k in keep}})
+        loads += list(res.get("load_average") or [])
+        threads |= {res.get("threads")} - {None}
+    seeds = sorted({s for r in reports for s in r["report"].get("seeds", [])})
+    threads = sorted(threads)
+    return {"reports": reports, "load_average": [min(loads), max(loads)] if loads else None,
+            "threads": threads[0] if len(threads) == 1 else threads, "seeds": seeds, "seconds": None,
+            "provenance": provenance(argv)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for results.json (created)")
-    ap.add_argument("commands", nargs="+", help="the commands, each one quoted argument")
+    ap.add_argument("commands", nargs="*", help="the commands, each one quoted argument")
+    ap.add_argument("--results", nargs="+", metavar="RUN", help="gather these finished runs instead of running commands")
+    ap.add_argument("--keep", default="settings,table,arms,seeds",
+                    help="--results: the keys of each results.json kept (comma-separated)")
     args = ap.parse_args(argv)
+    if bool(args.commands) == bool(args.results):
+        ap.error("give either commands or --results RUN ..., not both and not neither")
+    me = ["python", "docs/gen/collect_runs.py", *(sys.argv[1:] if argv is None else argv)]
     try:
-        res = collect(args.commands, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                      argv=["python", "docs/gen/collect_runs.py", *(sys.argv[1:] if argv is None else argv)])
+        if args.results:
+            res = gather(args.results, [k for k in args.keep.split(",") if k], argv=me)
+        else:
+            res = collect(args.commands, progress=lambda m: print(m, file=sys.stderr, flush=True), argv=me)
         os.makedirs(args.out, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=args.out, prefix=".results-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -36,7 +36,7 @@ import tempfile
 
 from fullband.commands import bench_decode, bench_train, data_bench
 from fullband.experiments import (data_efficiency, depth, programs_report, quickstart, quickstart_state,
-                                  reasoning_report, recipe_report, state_report)
+                                  reasoning_report, recipe_report, state_probes, state_report)
 from fullband.serving import benchmark as serve_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,6 +90,11 @@ def _render_recipe(res: dict) -> str:
     return recipe_report.tables(res)
 
 
+def _render_state_probes(res: dict) -> str:
+    """One-arm probes of the state experiment gathered by ``docs/gen/collect_runs.py --results``."""
+    return state_probes.probe_table(res)
+
+
 def _render_bench_serve(res: dict) -> str:
     return serve_bench.markdown_tables(res)
 
@@ -124,6 +129,7 @@ RENDERERS = {
     "reasoning": (_render_reasoning, "fullband.experiments.reasoning", ("runs",)),
     "recipe": (_render_recipe, "fullband.experiments.recipe", ("per_seed",)),
     "state": (_render_state, "fullband.experiments.state", ("per_seed",)),
+    "state-probes": (_render_state_probes, "fullband.experiments.state", ()),
     "programs": (_render_programs, "fullband.experiments.programs", ("per_seed",)),
     "quickstart-state": (_render_quickstart_state, "fullband.experiments.quickstart_state", ("per_seed",)),
     "quickstart": (_render_quickstart, "fullband.experiments.quickstart", ("samples", "running_state.rows",
