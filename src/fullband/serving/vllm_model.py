@@ -67,6 +67,15 @@ def _state_dtype(vllm_config: VllmConfig) -> torch.dtype:
     return vllm_config.model_config.dtype
 
 
+def _vllm_rms_norm():
+    """vLLM's RMSNorm kernel (``torch.ops._C.rms_norm(out, x, weight, eps)``; float32 accumulation), or ``None``
+    where the vLLM build has none."""
+    try:
+        return torch.ops._C.rms_norm
+    except (AttributeError, RuntimeError):
+        return None
+
+
 # ----------------------------------------------------------------------------------------------- state layer
 
 
@@ -188,10 +197,12 @@ class FeedbackStateLayer(MambaBase):
 
 class ServingFusion(nn.Module):
     """The fusions of :mod:`fullband` with the checkpoint's parameter names, computed in the model's dtype with the
-    same operations, in the same order, as ``generate()`` runs them (:meth:`FullBandwidthForCausalLM.fuse`); the GLU
-    gate ``sigmoid(W_G norm(e))`` depends on the token alone and is looked up in a per-vocabulary table (model dtype,
-    ``vocab x hidden``), built by :meth:`build_gate_table` when the weights are loaded -- inside vLLM's model loading,
-    so its memory counts as model memory, never allocated later next to a full KV cache."""
+    operations, in the order, ``generate()`` runs them (:meth:`FullBandwidthForCausalLM.fuse`), except the output
+    RMSNorm: vLLM's own ``rms_norm`` kernel where the build has one (the same math with float32 accumulation, in
+    about a quarter of ``F.rms_norm``'s time on a decode step's few rows; docs/experiments/benchmarks.md). The GLU
+    gate ``sigmoid(W_G norm(e))`` depends on the token alone and is looked up in a per-vocabulary table (model
+    dtype, ``vocab x hidden``), built by :meth:`build_gate_table` when the weights are loaded -- inside vLLM's model
+    loading, so its memory counts as model memory, never allocated later next to a full KV cache."""
 
     def __init__(self, kind: str, hidden_size: int, embed_dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -200,6 +211,7 @@ class ServingFusion(nn.Module):
             self.gate_proj = nn.Linear(embed_dim, embed_dim, bias=False, dtype=dtype)
             self.value_proj = nn.Linear(hidden_size, embed_dim, bias=False, dtype=dtype)
             self.out_norm = nn.RMSNorm(embed_dim, eps=eps, dtype=dtype)
+            self._rms_kernel = _vllm_rms_norm()
         elif kind == "concat":
             self.proj = nn.Linear(embed_dim + hidden_size, embed_dim, bias=False, dtype=dtype)
         elif kind == "add":
@@ -229,7 +241,11 @@ class ServingFusion(nn.Module):
         h = h.to(e.dtype)
         if self.needs_gate_table:
             v = F.linear(h, self.value_proj.weight) * F.embedding(tokens, self.gate_table)
-            u = F.rms_norm(v, (self.embed_dim,), self.out_norm.weight, eps=self.eps)
+            if self._rms_kernel is None:
+                u = F.rms_norm(v, (self.embed_dim,), self.out_norm.weight, eps=self.eps)
+            else:
+                u = torch.empty_like(v)
+                self._rms_kernel(u, v, self.out_norm.weight, self.eps)
             return e + u if self.kind == "residual" else u
         if self.kind == "concat":
             return F.linear(torch.cat([e, h], dim=-1), self.proj.weight)
@@ -320,7 +336,9 @@ class FullBandwidthForCausalLMVLLM(nn.Module):
                 e = inputs_embeds[rows]
                 fused = self.feedback(state.index_select(0, meta.fused_slots), e, tokens)
                 if self.doc_start is not None:
-                    fused = torch.where((tokens == self.doc_start).unsqueeze(-1), e, fused)
+                    doc = tokens == self.doc_start  # a generated document start enters plainly (rare; on CPU a
+                    if not doc.is_cpu or bool(doc.any()):  # check costs less than the where, on a GPU a sync more)
+                        fused = torch.where(doc.unsqueeze(-1), e, fused)
                 if meta.num_fused == inputs_embeds.shape[0]:  # every token fused (a decode-only step): no copy
                     inputs_embeds = fused
                 else:
