@@ -112,6 +112,7 @@ def _fake_tree(tmp_path, monkeypatch, rt, readme: str | None):
     shutil.copytree(os.path.join(rt.RESULTS, "state"), results / "state")
     if readme is not None:
         (tmp_path / "README.md").write_text(readme)
+    monkeypatch.setattr(rt, "DOCS", str(tmp_path / "docs"))
     monkeypatch.setattr(rt, "RESULTS", str(results))
     monkeypatch.setattr(rt, "GENERATED", str(results / "generated"))
     monkeypatch.setattr(rt, "README", str(tmp_path / "README.md"))
@@ -151,6 +152,34 @@ def test_readme_block_is_rewritten_between_the_markers(tmp_path, monkeypatch):
     assert "old table" not in readme and "| model | mode (whole rows" in readme
     res = json.load(open(os.path.join(src, "results.json")))
     assert f"| baseline | standard | {res['baseline_val_loss']:.4f} |" in readme  # the number of the results file
+
+
+def test_readme_runs_table_has_one_line_per_run_from_its_results(tmp_path, monkeypatch):
+    """A ``runs-table`` block lists the named runs in its order, each line read from that run's own results.json
+    (the exact-mode comparison and the multipliers) with its commit; runs of a renderer without a summary line, or
+    of two renderers, are refused in one line."""
+    rt = _load("results_tables")
+    src = os.path.join(ROOT, "docs", "results", "data-efficiency")
+    names = ["de-a", "de-b"]
+    block = lambda body: f"<!-- runs-table:{','.join(names)}:start -->\n{body}<!-- runs-table:{','.join(names)}:end -->"
+    results = _fake_tree(tmp_path, monkeypatch, rt, "# x\n\n" + block("old\n") + "\nafter\n")
+    shutil.copytree(src, results / "de-a")
+    shutil.copytree(src, results / "de-b")
+    res = json.load(open(results / "de-b" / "results.json"))
+    c = res["comparisons"][res["headline_mode"]]
+    c["fbt_loss"] += 1.0  # run b: another loss, so the lines must come from each run's own file
+    (results / "de-b" / "results.json").write_text(json.dumps(res))
+    assert rt.main(["--check"]) == 1 and rt.main([]) == 0 and rt.main(["--check"]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| [de-")]
+    assert [r.split("]")[0] for r in rows] == ["| [de-a", "| [de-b"] and readme.endswith("end -->\nafter\n")
+    assert f"| {c['fbt_loss'] - 1.0:.4f} |" in rows[0] and f"| {c['fbt_loss']:.4f} |" in rows[1]
+    assert f"{c['delta_flops']:+.4f} [{c['delta_flops_ci']['low']:+.4f}" in rows[1]
+    commit = json.load(open(results / "de-a" / "meta.json"))["commit"][:7]
+    assert f"`{commit}`" in rows[0] and "old" not in readme
+    names[1] = "state"  # another renderer in the same block: refused, nothing written
+    (tmp_path / "README.md").write_text("# x\n\n" + block("old\n"))
+    assert rt.main([]) == 2 and (tmp_path / "README.md").read_text() == "# x\n\n" + block("old\n")
 
 
 def test_readme_without_markers_is_left_alone(tmp_path, monkeypatch):
@@ -541,16 +570,19 @@ DESCRIPTIVE_TABLES = {"| arm | what | equal-token reference | equal-FLOPs refere
 
 def test_experiment_pages_hold_no_hand_copied_result_tables():
     """Every table of measured numbers on an experiment page comes in through a generated page (``--8<--
-    "results/generated/NAME.md"``, rendered from docs/results/NAME/results.json by docs/gen/results_tables.py); a
+    "results/generated/NAME.md"``, rendered from docs/results/NAME/results.json by docs/gen/results_tables.py) or a
+    generated ``runs-table`` block (one line per run, from the same files); a
     Markdown table written into the page itself is allowed only where it describes, with no numbers
     (DESCRIPTIVE_TABLES)."""
     found = []
+    rt = _load("results_tables")
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "experiments", "*.md"))):
-        lines = open(path, encoding="utf-8").read().splitlines()
+        text = rt.RUNS_BLOCK.sub("", open(path, encoding="utf-8").read())  # generated runs tables: allowed
+        lines = text.splitlines()
         for i, line in enumerate(lines):
             starts = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
             if starts and line.strip() not in DESCRIPTIVE_TABLES:
                 found.append(f"{os.path.relpath(path, ROOT)}:{i + 1}: {line[:80]}")
-        for include in re.findall(r'^--8<-- "results/generated/([\w.-]+)\.md"', "\n".join(lines), re.M):
+        for include in re.findall(r'^\s*--8<-- "results/generated/([\w.-]+)\.md"', "\n".join(lines), re.M):
             assert os.path.isfile(os.path.join(ROOT, "docs", "results", include, "results.json")), include
     assert not found, "hand-written tables on experiment pages:\n" + "\n".join(found)
