@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import shlex
 
-from .data_efficiency import _multiplier_ci_text
+from .data_efficiency import _ci_text, _multiplier_ci_text
 
 
 def _delta(value: float | None, ci: dict | None) -> str:
     if value is None or ci is None:
         return "-"
-    return f"{value:+.4f} [{ci['low']:+.4f}, {ci['high']:+.4f}]"
+    return f"{value:+.4f} {_ci_text(ci)}"
 
 
 def _set_options(command: str) -> dict[str, str]:
