@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+from fullband.utils.provenance import first_difference
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN = os.path.join(ROOT, "docs", "gen")
 GUIDES = sorted(glob.glob(os.path.join(ROOT, "docs", "guides", "*.md")))
@@ -516,6 +518,31 @@ def test_collect_runs_refuses_and_writes_nothing(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]  # less progress lines
     assert len(err) == 1 and "command 2 exited 2" in err[0] and "--loss-chunk" in err[0], err
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("recipe", ["exact", "default"])
+def test_pretrained_reasoning_runs_are_the_command_s_own(recipe, tmp_path):
+    """pretrain_reasoning trains a reasoning command's runs in 2 processes (each run on its own for the exact recipe,
+    the baseline/FBT/baseline-flops trio as one job where they share steps); the command then retrains nothing
+    (train_seconds 0) and gives the results.json that the command alone gives in a fresh directory, bit for bit
+    (less timings and provenance), both at 1 thread."""
+    argv = ["--quick", "--fbt-recipe", recipe, "--no-progress", "--quiet", "--out", "exp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    results = []
+    for where, pre in (("a", True), ("b", False)):
+        os.makedirs(tmp_path / where)
+        if pre:
+            done = subprocess.run([sys.executable, os.path.join(GEN, "pretrain_reasoning.py"), "--jobs", "2", "--",
+                                   *argv], cwd=tmp_path / where, capture_output=True, text=True, env=env)
+            assert done.returncode == 0, done.stderr
+            assert "jobs on 2 processes" in done.stdout and done.stdout.count(" done in ") == (
+                12 if recipe == "exact" else 8), done.stdout
+        done = subprocess.run([sys.executable, "-m", "fullband.cli", "experiment", "reasoning", *argv],
+                              cwd=tmp_path / where, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        results.append(json.load(open(tmp_path / where / "exp" / "results.json")))
+    assert results[0]["train_seconds"] == 0.0 and results[1]["train_seconds"] > 0
+    assert first_difference(*results) is None, first_difference(*results)
 
 
 def test_gathered_state_probes_render_each_probe_s_own_numbers(tmp_path, capsys):
