@@ -20,6 +20,7 @@ from fullband.eval.scoring import (
     load_any_model,
     report_markdown,
     split_settings,
+    token_nll,
 )
 
 
@@ -186,3 +187,17 @@ def test_eval_command_errors(tmp_path, model_dir, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert cli_main(["eval", "--model", model_dir, "--passes", "2,x", "--max-rows", "1"]) == 2
     assert "--passes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fusion", ["glu", "residual"])
+def test_soft_and_fused_score_a_whole_row_as_exact_does(fusion):
+    """On a whole row (the first token as the prompt), ``soft`` and ``fused`` fuse every later token with the state
+    before it: the token-by-token recurrence, so their scores equal ``exact``'s (why the data-efficiency experiment's
+    ``exact`` column stands for all three); ``standard`` differs on a GLU model (the state is its input's value path)."""
+    model = tiny_model(fusion=fusion).eval()
+    ids = random_ids(3, 24)
+    exact = token_nll(model, ids, "exact")
+    for mode in ("soft", "fused"):
+        torch.testing.assert_close(token_nll(model, ids, mode, prompt_length=1), exact, rtol=0, atol=1e-5)
+    if fusion == "glu":
+        assert (token_nll(model, ids, "standard") - exact).abs().max() > 0.05
