@@ -73,3 +73,5 @@ def run(out: str, world: int = 1, rank: int = 0) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     run(sys.argv[1], int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+    if torch.distributed.is_initialized():  # the Trainer's group: left to exit, gloo's threads can abort the rank
+        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", SIGABRT)
