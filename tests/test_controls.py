@@ -212,28 +212,44 @@ def test_inference_flops_match_what_scoring_runs(mode):
         "standard", fp, T, P)["flops"], inference_flops(mode, fp, T, P, num_passes=K)["flops"])
 
 
-def test_flops_matched_steps_charges_passes_without_gradient_at_their_forward():
-    """``--grad-passes N``: the first K - N passes run without gradient and cost a third of a gradient pass, as
-    ``training_flops`` charges them; counting them in full over-trained the FLOP controls (930 steps instead of 580
-    for K = 8, N = 2 at the quickstart's size). Hand arithmetic: 5 plain steps + 5 steps of 2 + 6/3 = 25."""
-    from fullband.experiments.common import flops_matched_steps
-    from fullband.training.config import TrainConfig
+def assert_flops_matched(control: float, fbt: float, plain_step: float, what: str = "") -> None:
+    """An equal-FLOPs control has at least the FBT run's training FLOPs, and less than one plain step more."""
+    assert fbt <= control < fbt + plain_step, (what, control / fbt, plain_step / fbt)
 
-    cfg = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, grad_passes=2, deep_fraction=0.0)
-    assert [cfg.schedule().passes_at(i, 10) for i in range(10)] == [1] * 5 + [8] * 5
-    assert flops_matched_steps(cfg) == 25
-    full = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, deep_fraction=0.0)  # every pass with gradient
-    assert flops_matched_steps(full) == 5 + 5 * 8
-    k2 = TrainConfig(steps=10, feedback_start=0.5, num_passes=2, grad_passes=2, deep_fraction=0.0)
-    assert flops_matched_steps(k2) == 15
-    # --exact-states --grad-passes 2: each fed-back step is the token pass (a forward, 1/3) + 2 gradient passes:
-    # 5 + 5 x 7/3 = 16.67 -> 17 (counted as plain K = 2 steps it was 15: a control short of the FBT run's FLOPs)
-    exact = TrainConfig(steps=10, feedback_start=0.5, num_passes=2, grad_passes=2, deep_fraction=0.0, exact_states=True)
-    assert flops_matched_steps(exact) == 17
-    # --full-backprop: a fed-back step is one pass with gradient token by token, + its forward recomputed in the
-    # backward (C > 0): 5 + 5 x 4/3 = 11.67 -> 12 (counted as K = 8 plain passes it was 45: a control given 4x FBT's)
-    full_bp = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, deep_fraction=0.0, full_backprop=True)
-    assert flops_matched_steps(full_bp) == 12
-    no_recompute = TrainConfig(steps=10, feedback_start=0.5, num_passes=8, deep_fraction=0.0, full_backprop=True,
-                               backprop_chunk=0)
-    assert flops_matched_steps(no_recompute) == 10
+
+PLANS = {  # the pass schedules the experiments size controls for: K mix, truncated, exact states, full backprop
+    "k-mix": dict(num_passes=2, deep_passes=3, deep_fraction=0.5),
+    "grad-passes": dict(num_passes=4, grad_passes=2, deep_fraction=0.0),
+    "exact-states": dict(num_passes=2, grad_passes=2, exact_states=True, deep_fraction=0.0),
+    "full-backprop": dict(num_passes=2, full_backprop=True, backprop_chunk=4, deep_fraction=0.0),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_control_steps_count_the_fbt_run_as_its_metrics_do(plan, data, tmp_path):
+    """The steps of an equal-FLOPs control are planned before the FBT run trains (:func:`flops_matched_steps`),
+    from the records the run will log (:func:`planned_records`) and the model's parameters counted without its
+    weights (:func:`planned_flop_parameters`, meta device). Against the real run: its logged records give the same
+    FLOPs (``training_flops`` of the metrics, the fusion's FLOPs included: the old plan left them out, so
+    exact states + 2 gradient passes were sized 2 + 1/3 plain steps for a step that costs 2.41 at micro and the
+    controls got ~3 % less compute than FBT), the planned parameters equal the trained model's, and the control
+    of that many plain steps has the FBT run's FLOPs plus less than one step."""
+    from fullband.eval.flops import flop_parameters, training_flops
+    from fullband.eval.scoring import load_any_model
+    from fullband.experiments.common import flops_matched_steps, planned_flop_parameters, planned_records
+
+    cfg = _cfg(data, str(tmp_path / "fbt"), steps=6, feedback_start=0.5, **PLANS[plan])
+    summary = train(cfg)
+    assert summary["status"] == "done"
+    model = load_any_model(cfg.out)[0]
+    fp = flop_parameters(model)
+    vocab = model.get_input_embeddings().num_embeddings
+    assert planned_flop_parameters(cfg, vocab) == fp
+    tokens, T = cfg.batch_size * cfg.seq_len, cfg.seq_len
+    logged = [r for r in read_jsonl(os.path.join(cfg.out, "metrics.jsonl")) if r.get("split") == "train"]
+    ran = training_flops(logged, tokens, T, fp)["flops"]
+    assert training_flops(planned_records(cfg), tokens, T, fp)["flops"] == pytest.approx(ran, rel=1e-12)
+    assert ran > training_flops([{"num_passes": 1}] * cfg.steps, tokens, T, fp)["flops"]  # feedback steps ran
+    steps = flops_matched_steps(cfg, vocab)
+    plain_step = training_flops([{"num_passes": 1}], tokens, T, fp)["flops"]
+    assert_flops_matched(steps * plain_step, ran, plain_step, plan)

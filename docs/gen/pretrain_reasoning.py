@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = steps_for(args)
         mix = rs.parse_mix(args.verbosity_mix)
         options = {**rs.TASK_DEFAULTS.get(args.task, {}), **rs.parse_task_options(args.task_option)}
-        _, _, _, _, train_file, _, corpora, pause = rs.build_data(args, options, mix, print)
+        _, _, _, _, train_file, tokenizer, corpora, pause = rs.build_data(args, options, mix, print)
         seeds = [args.seed + i for i in range(args.num_seeds)]
-        configs = {seed: rs.seed_configs(args, seed, steps, train_file, pause) for seed in seeds}
+        configs = {seed: rs.seed_configs(args, seed, steps, train_file, pause, len(tokenizer)) for seed in seeds}
         for label in dict.fromkeys(x for cfgs in configs.values() for x in cfgs):
             refuse_changed_runs([cfgs[label] for cfgs in configs.values() if label in cfgs],
                                 corpora.get(label, corpora[BASELINE]), args.overwrite)

@@ -12,7 +12,7 @@ def flop_parameters(model) -> dict:
     backbone = getattr(model, "backbone", model)
     emb = backbone.get_input_embeddings().weight
     head = backbone.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    tied = head is not None and (head.weight is emb or not emb.is_meta and head.weight.data_ptr() == emb.data_ptr())
     total = sum(p.numel() for p in backbone.parameters())
     matmul = total - (0 if tied else emb.numel())
     cfg = backbone.config

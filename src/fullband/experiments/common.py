@@ -18,11 +18,17 @@ import shutil
 import sys
 
 import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..data.order import distinct_rows_read
+from ..eval.flops import flop_parameters, training_flops
+from ..model.configuration import FullBandwidthConfig
+from ..model.modeling import FullBandwidthForCausalLM
 from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, step_dir_name
 from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig, make_config, same_path
+from ..training.presets import backbone_config
 from ..training.pretrain import finished, read_summary, refuse_changed_runs, train
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 from ..utils.provenance import provenance, provenance_line
@@ -102,47 +108,70 @@ def plain_config(cfg):
     return dataclasses.replace(cfg, num_passes=1, deep_passes=1)
 
 
-def plain_step_equivalents(num_passes: int, grad_passes: int = 0, exact_states: bool = False,
-                           full_backprop: bool = False, backprop_chunk: int = 0) -> float:
-    """A step of K passes in plain-step FLOPs: a pass with gradient 1, a pass without (the first K - N of
-    ``--grad-passes N``) 1/3, its forward; the fusion's own FLOPs (under 1% of a pass) left out. A pass without
-    gradient projects no position through the LM head (:func:`fullband.eval.flops.training_flops` counts it at
-    ``2·(N - N_head) + 2·L·T·d``, a little under 1/3), so the plain control matched with this is given at least the
-    FBT run's FLOPs: the comparison errs in the baseline's favour. With ``exact_states`` a fed-back step is the
-    token-by-token pass (its forward, 1/3 on the same terms) and ``grad_passes`` gradient passes. With
-    ``full_backprop`` a fed-back step is one pass with gradient, token by token, plus (``backprop_chunk`` > 0) the
-    forward recomputed in the backward: 1 + 1/3."""
-    if full_backprop and num_passes > 1:
-        return 1 + (1 / 3.0 if backprop_chunk > 0 else 0.0)
-    if exact_states and num_passes > 1:
-        return grad_passes + 1 / 3.0
-    grad = num_passes if grad_passes <= 0 or num_passes == 1 else min(grad_passes, num_passes)
-    return grad + (num_passes - grad) / 3.0
+def planned_records(cfg) -> list[dict]:
+    """The training records ``cfg``'s run will log, as far as :func:`fullband.eval.flops.training_flops` reads
+    them: each step's K from its pass schedule and, on a fed-back step, the passes ``--grad-passes`` /
+    ``--exact-states`` / ``--full-backprop`` run (what :meth:`fullband.training.engine.Trainer.train_step` records;
+    ``tests/test_controls.py`` checks the two agree on real runs). ``--pass-tol`` may stop passes early: the
+    plan then counts every pass, an upper bound."""
+    sched = cfg.schedule()
+    out = []
+    for i in range(cfg.steps):
+        K = sched.passes_at(i, cfg.steps)
+        rec = {"num_passes": K}
+        if K > 1 and cfg.full_backprop:
+            rec.update(full_backprop=True, backprop_chunk=cfg.backprop_chunk)
+        elif K > 1 and cfg.exact_states:
+            rec.update(exact_states=True, passes_run=cfg.grad_passes, grad_passes_run=cfg.grad_passes)
+        elif K > 1 and cfg.grad_passes:
+            rec.update(passes_run=K, grad_passes_run=min(cfg.grad_passes, K))
+        out.append(rec)
+    return out
 
 
-def flops_matched_steps(fbt_cfg) -> int:
-    """Steps of a plain run with as many training FLOPs as ``fbt_cfg``'s run (every pass counted, a pass without
-    gradient at a third; rounded up). ``--pass-tol`` may stop passes early: this is then an upper bound."""
-    sched = fbt_cfg.schedule()
-    return math.ceil(sum(plain_step_equivalents(sched.passes_at(i, fbt_cfg.steps), fbt_cfg.grad_passes,
-                                                fbt_cfg.exact_states, fbt_cfg.full_backprop,
-                                                fbt_cfg.backprop_chunk)
-                         for i in range(fbt_cfg.steps)) - 1e-9)
+def planned_flop_parameters(cfg, vocab_size: int) -> dict:
+    """:func:`fullband.eval.flops.flop_parameters` of the model ``cfg`` trains with a tokenizer of ``vocab_size``
+    entries, without building its weights: the backbone on the meta device (its config as
+    :func:`fullband.training.pretrain.build_model` makes it, or ``--init-from``'s), the fusion beside it."""
+    if cfg.init_from is not None:
+        config = AutoConfig.from_pretrained(cfg.init_from)
+        config = getattr(config, "text_config", None) if config.model_type == FullBandwidthConfig.model_type else config
+    else:
+        config = backbone_config(cfg.preset, vocab_size, max_position_embeddings=max(2048, cfg.seq_len),
+                                 tie_word_embeddings=cfg.tie_embeddings, num_hidden_layers=cfg.layers)
+    with torch.device("meta"):
+        backbone = AutoModelForCausalLM.from_config(config)
+        model = FullBandwidthForCausalLM.from_backbone(backbone, fusion=cfg.fusion, embed_rms=1.0)
+    return flop_parameters(model)
 
 
-def flops_config(fbt_cfg, out: str):
-    """``baseline-flops``: the plain model trained for the FBT run's FLOPs (:func:`flops_matched_steps`), its own
-    full LR schedule, reading further in the data order (more unique tokens than the FBT run)."""
-    steps = flops_matched_steps(fbt_cfg)
+def flops_matched_steps(fbt_cfg, vocab_size: int) -> int:
+    """Steps of a plain run with at least as many training FLOPs as ``fbt_cfg``'s run, counted as the run's own
+    metrics are (:func:`fullband.eval.flops.training_flops` over :func:`planned_records`: every pass, a pass
+    without gradient at its forward, the fusion's FLOPs included), with the model's parameters
+    (:func:`planned_flop_parameters`); rounded up, so the control has the FBT run's FLOPs plus under one plain
+    step. ``--pass-tol`` may stop passes early: this is then an upper bound."""
+    fp = planned_flop_parameters(fbt_cfg, vocab_size)
+    tokens, T = fbt_cfg.batch_size * fbt_cfg.seq_len, fbt_cfg.seq_len
+    fbt = training_flops(planned_records(fbt_cfg), tokens, T, fp)["flops"]
+    plain = training_flops([{"num_passes": 1}], tokens, T, fp)["flops"]
+    return math.ceil(fbt / plain - 1e-9)
+
+
+def flops_config(fbt_cfg, out: str, vocab_size: int):
+    """``baseline-flops``: the plain model trained for the FBT run's FLOPs (:func:`flops_matched_steps`, a
+    tokenizer of ``vocab_size`` entries), its own full LR schedule, reading further in the data order (more unique
+    tokens than the FBT run)."""
+    steps = flops_matched_steps(fbt_cfg, vocab_size)
     return dataclasses.replace(plain_config(fbt_cfg), out=out, steps=steps,
                                eval_every=steps if fbt_cfg.eval_every else 0)
 
 
-def epochs_config(fbt_cfg, out: str):
+def epochs_config(fbt_cfg, out: str, vocab_size: int):
     """``baseline-epochs``: the plain model trained for the FBT run's FLOPs on exactly its unique rows (the rows
     of its ``steps`` batches from its ``--data-offset``: ``--unique-batches``), re-read in a fresh order each
     epoch; its own full LR schedule (a run of that many steps, not a continuation)."""
-    return dataclasses.replace(flops_config(fbt_cfg, out), unique_batches=fbt_cfg.steps)
+    return dataclasses.replace(flops_config(fbt_cfg, out, vocab_size), unique_batches=fbt_cfg.steps)
 
 
 def unique_tokens(cfg, corpus) -> int:

@@ -106,15 +106,19 @@ def run_data_efficiency(args) -> dict:
     base_cfgs = {m: plain_config(dataclasses.replace(fbt_cfg, out=os.path.join(runs_dir, f"baseline-{m:.2f}x"), steps=s,
                                                eval_every=s))
                  for m, s in budgets.items()}
-    flops_cfg = None if args.no_flops_baseline else flops_config(fbt_cfg, os.path.join(runs_dir, "baseline-flops"))
-    epochs_cfg = None if args.no_epochs_baseline else epochs_config(fbt_cfg, os.path.join(runs_dir, "baseline-epochs"))
-    controls = [c for c in (flops_cfg, epochs_cfg) if c is not None]
-    for c in [fbt_cfg, *base_cfgs.values(), *controls]:
+    for c in [fbt_cfg, *base_cfgs.values()]:
         c.validate()
 
     t = time.perf_counter()
     corpus = build_tokenizer_and_corpus(fbt_cfg)
     t_data = time.perf_counter() - t
+    vocab = len(corpus.tokenizer)  # the controls' steps count the model's FLOPs with the tokenizer's vocabulary
+    flops_cfg = None if args.no_flops_baseline else flops_config(fbt_cfg, os.path.join(runs_dir, "baseline-flops"), vocab)
+    epochs_cfg = (None if args.no_epochs_baseline
+                  else epochs_config(fbt_cfg, os.path.join(runs_dir, "baseline-epochs"), vocab))
+    controls = [c for c in (flops_cfg, epochs_cfg) if c is not None]
+    for c in controls:
+        c.validate()
     tokens_per_step = fbt_cfg.batch_size * fbt_cfg.seq_len
     say(f"data-efficiency: {corpus.train_rows.numel():,} training tokens, {corpus.val_rows.shape[0]} held-out rows; "
         f"base budget {steps} steps x {tokens_per_step:,} = {steps * tokens_per_step:,} tokens; baselines at "

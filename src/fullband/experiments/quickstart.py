@@ -79,11 +79,15 @@ def _configs(args):
                   device=args.device, save_every=0)
     base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
     fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
-    # the baseline given as many training FLOPs as the FBT run (every pass counted): more steps, same schedule
-    # shape; reading further (baseline-flops) or re-reading exactly the FBT run's rows (baseline-epochs)
-    flops = flops_config(fbt, os.path.join(args.out, "baseline-flops"))
-    epochs = epochs_config(fbt, os.path.join(args.out, "baseline-epochs"))
-    return base, fbt, flops, epochs
+    return base, fbt
+
+
+def _controls(args, fbt, vocab_size: int):
+    """The baseline given as many training FLOPs as the FBT run (counted as its metrics are, the fusion's
+    included): more steps, same schedule shape; reading further (baseline-flops) or re-reading exactly the FBT
+    run's rows (baseline-epochs)."""
+    return (flops_config(fbt, os.path.join(args.out, "baseline-flops"), vocab_size),
+            epochs_config(fbt, os.path.join(args.out, "baseline-epochs"), vocab_size))
 
 
 def _samples(models: dict, tokenizer, val_rows: torch.Tensor, n: int, prompt_tokens: int, new_tokens: int,
@@ -218,15 +222,18 @@ def run_quickstart(args) -> dict:
         args.score_prompt = max(1, min(32, args.seq_len // 4))
     if not 1 <= args.score_prompt < args.seq_len - 1:
         raise ValueError(f"--score-prompt must be in [1, --seq-len - 1), got {args.score_prompt}")
-    base_cfg, fbt_cfg, flops_cfg, epochs_cfg = _configs(args)
-    for c in (base_cfg, fbt_cfg, flops_cfg, epochs_cfg):
+    base_cfg, fbt_cfg = _configs(args)
+    for c in (base_cfg, fbt_cfg):
         c.validate()
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
-    # ---- data (once, for every run)
+    # ---- data (once, for every run); the controls' steps count the model's FLOPs with the tokenizer's vocabulary
     t = time.perf_counter()
     corpus = build_tokenizer_and_corpus(fbt_cfg)
     t_data = time.perf_counter() - t
+    flops_cfg, epochs_cfg = _controls(args, fbt_cfg, len(corpus.tokenizer))
+    for c in (flops_cfg, epochs_cfg):
+        c.validate()
     say(f"quickstart: corpus {corpus.train_rows.numel():,} train tokens ({len(corpus.train_docs)} works), "
         f"{corpus.val_rows.numel():,} held-out tokens ({len(corpus.val_docs)} works: {', '.join(corpus.val_docs)}); "
         f"{t_data:.1f}s")

@@ -194,7 +194,7 @@ def packed_corpus(tokenizer, docs: list[Document], seq_len: int) -> Corpus:
 # ============================================================================================== training
 
 
-def seed_configs(args, seed: int, steps: int, train_file: str, pause: int) -> dict:
+def seed_configs(args, seed: int, steps: int, train_file: str, pause: int, vocab_size: int) -> dict:
     """The runs of one seed: baseline and FBT (``--fbt-recipe``) on equal tokens, the baseline on FBT's training
     FLOPs reading further (``baseline-flops``) and, as long, re-reading exactly the rows of FBT's ``steps`` batches
     (``baseline-epochs``, ``--unique-batches``: the same unique tokens, its own full LR schedule with the same
@@ -205,7 +205,7 @@ def seed_configs(args, seed: int, steps: int, train_file: str, pause: int) -> di
     base = plain_config(dataclasses.replace(fbt, out=os.path.join(root, "baseline")))
     if fbt.num_passes < 2:
         raise ValueError(f"--num-passes must be >= 2 for the FBT run, got {fbt.num_passes}")
-    flops_steps = flops_matched_steps(fbt)  # every pass counted (a token-by-token pass as a forward)
+    flops_steps = flops_matched_steps(fbt, vocab_size)  # counted as its metrics are, the fusion's FLOPs included
     warm = round(base.warmup_fraction * steps)  # the same warm-up steps: the runs share a path until the decay
     flops = dataclasses.replace(base, out=os.path.join(root, "baseline-flops"), steps=flops_steps, eval_every=flops_steps,
                                 warmup_fraction=warm / flops_steps)
@@ -448,7 +448,7 @@ def run_reasoning_experiment(args) -> dict:
     train_p, test_p, removed, counts, train_file, tokenizer, corpora, pause = build_data(args, options, mix, say)
     seeds = [args.seed + i for i in range(args.num_seeds)]
     runs, train_seconds = [], 0.0
-    configs = {seed: seed_configs(args, seed, steps, train_file, pause) for seed in seeds}
+    configs = {seed: seed_configs(args, seed, steps, train_file, pause, len(tokenizer)) for seed in seeds}
     for label in dict.fromkeys(x for cfgs in configs.values() for x in cfgs):
         refuse_changed_runs([cfgs[label] for cfgs in configs.values() if label in cfgs],
                             corpora.get(label, corpora[BASELINE]), args.overwrite)
