@@ -535,7 +535,7 @@ def test_pretrained_reasoning_runs_are_the_command_s_own(recipe, tmp_path):
             done = subprocess.run([sys.executable, os.path.join(GEN, "pretrain_reasoning.py"), "--jobs", "2", "--",
                                    *argv], cwd=tmp_path / where, capture_output=True, text=True, env=env)
             assert done.returncode == 0, done.stderr
-            assert "jobs on 2 processes" in done.stdout and done.stdout.count(" done in ") == (
+            assert "jobs on 2 processes" in done.stdout and done.stdout.count(": done (") == (
                 12 if recipe == "exact" else 8), done.stdout
         done = subprocess.run([sys.executable, "-m", "fullband.cli", "experiment", "reasoning", *argv],
                               cwd=tmp_path / where, capture_output=True, text=True, env=env)
@@ -613,3 +613,50 @@ def test_experiment_pages_hold_no_hand_copied_result_tables():
         for include in re.findall(r'^\s*--8<-- "results/generated/([\w.-]+)\.md"', "\n".join(lines), re.M):
             assert os.path.isfile(os.path.join(ROOT, "docs", "results", include, "results.json")), include
     assert not found, "hand-written tables on experiment pages:\n" + "\n".join(found)
+
+
+INTERVAL = re.compile(r"([−+-]?\d+(?:\.\d+)?)\s*\|?\s*,?\s*(?:95% CI\s*)?\[([−+-]?\d+(?:\.\d+)?)[x×]?,\s*([−+-]?\d+(?:\.\d+)?)[x×]?\]")
+GENERATED_LINK = re.compile(r"results/generated/([\w.-]+)\.md")
+
+
+def _figures_with_intervals(text: str) -> list[tuple[str, list[str], set[str]]]:
+    """``(paragraph start, the interval's numbers, the generated pages the paragraph names)`` for every
+    ``x [low, high]`` in ``text`` (paragraphs: blocks between blank lines; a table row is its own paragraph)."""
+    out = []
+    for para in re.split(r"\n\s*\n|\n(?=\|)", text):
+        names = set(GENERATED_LINK.findall(para))
+        for m in INTERVAL.finditer(para):
+            out.append((para.strip()[:70], [g.replace("−", "-") for g in m.groups()], names))
+    return out
+
+
+def test_guides_and_readme_back_every_interval_with_a_generated_page():
+    """A figure with an interval in the README or a guide sits in a generated block (the README's quickstart and
+    runs-table blocks) or in a paragraph that names the generated page it comes from
+    (``docs/results/generated/NAME.md``, rendered from a committed results.json), and that page prints the same
+    numbers: a figure from a run whose files were not kept has no page to name, so it cannot stand there."""
+    rt = _load("results_tables")
+    paths = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "guides", "*.md")))]
+    bad = []
+    for path in paths:
+        text = open(path, encoding="utf-8").read()
+        text = rt.RUNS_BLOCK.sub("", text)
+        if rt.START in text:
+            text = text[:text.index(rt.START)] + text[text.index(rt.END):]
+        for where, numbers, names in _figures_with_intervals(text):
+            pages = [n for n in names if os.path.isfile(os.path.join(ROOT, "docs", "results", n, "results.json"))]
+            printed = " ".join(open(os.path.join(ROOT, "docs", "results", "generated", f"{n}.md"),
+                                    encoding="utf-8").read() for n in pages)
+            if not pages or any(x.lstrip("+") not in printed for x in numbers):
+                bad.append(f"{os.path.relpath(path, ROOT)}: {numbers} in '{where}' (pages named: {sorted(names)})")
+    assert not bad, "intervals with no generated page behind them:\n" + "\n".join(bad)
+
+
+def test_the_interval_check_finds_what_it_should():
+    """The check above on made-up text: an interval whose paragraph names no page, or a page that does not print
+    it, is found; one in a paragraph naming its page is parsed with the page's name."""
+    found = _figures_with_intervals("gain 7.21, 95% CI [5.47, 9.61] (serve guide)\n\nΔ −0.013 [−0.020, −0.007] "
+                                    "([page](docs/results/generated/quickstart.md))\n| 0.981 | [0.969, 1.009] |")
+    assert [(n, sorted(p)) for _, n, p in found] == [(["7.21", "5.47", "9.61"], []),
+                                                    (["-0.013", "-0.020", "-0.007"], ["quickstart"]),
+                                                    (["0.981", "0.969", "1.009"], [])]

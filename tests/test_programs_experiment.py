@@ -249,7 +249,11 @@ def test_second_invocation_reuses_and_more_seeds_train_only_the_new(quick, tmp_p
             accs = [acc(res["per_seed"][s][arm]["correct"][mode][str(n)]) for s in ("0", "1")]
             assert cell.split()[0] == f"{sum(accs) / 2:.2f}"
             assert cell.endswith(f"{{{min(accs):.2f}..{max(accs):.2f}}}")
-    assert "mean of 2 seeds; the 95% CI resamples the test programs within each seed (not the seeds" in stdout
+    # a two-level interval: the seeds, then the programs within each drawn seed, said so, with the 2-seed caveat
+    assert {(r["accuracy"]["resamples"], r["accuracy"]["seeds"]) for r in res["table"]} == {
+        ("seeds, then rows within each drawn seed", 2)}
+    assert ("mean of 2 seeds; the 95% CI resamples the seeds, then the test programs within each drawn seed (with 2 "
+            "seeds it cannot hold the seed variance)") in stdout
 
 
 def test_the_docs_renderer_reads_the_trimmed_results(quick):

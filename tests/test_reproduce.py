@@ -150,3 +150,14 @@ def test_provenance_names_the_commit_a_run_started_from(tmp_path):
     assert p["checkout_at_end"] == {"git_commit": git("rev-parse", "HEAD"), "git_dirty": False} != first
     assert f"at commit {first[:12]} (the checkout changed while it ran: at its end commit " in prov.provenance_line(p)
     prov._AT_START.pop(repo)
+
+
+def test_quickstart_gives_the_same_results_in_one_process_and_in_two(data, tmp_path, capsys):
+    """``fullband quickstart`` trains its independent runs in ``--jobs`` one-thread processes and scores them at one
+    thread: the same results.json with ``--jobs 1`` (every run here, in turn) and ``--jobs 2`` (spawned workers), and
+    the caller's thread count is left as it was."""
+    threads = torch.get_num_threads()
+    one = _run([*COMMANDS["quickstart"], "--jobs", "1"], tmp_path / "one", capsys)
+    two = _run([*COMMANDS["quickstart"], "--jobs", "2"], tmp_path / "two", capsys)
+    assert first_difference(one, two) is None, first_difference(one, two)
+    assert one["threads"] == two["threads"] == 1 and torch.get_num_threads() == threads

@@ -114,9 +114,9 @@ def test_joint_resampling_differs_from_within_seed_resampling():
     within = _enumerate(lambda i, j: (np.mean([x[0][k] for k in i]) + np.mean([x[1][k] for k in j])) / 2, 3, 2)
     assert [_exact_quantile(*joint, q) for q in (0.05, 0.95)] == [0.5, 1.5]
     assert [_exact_quantile(*within, q) for q in (0.05, 0.95)] == [0.0, 2.0]
-    ci = bootstrap_ci_shared_problems(x, seed=0, n_resamples=40_000, confidence=0.9)
+    ci = bootstrap_ci_shared_problems(x, seed=0, n_resamples=40_000, confidence=0.9, resample_seeds=False)
     assert (ci["estimate"], ci["low"], ci["high"]) == (1.0, 0.5, 1.5)
-    ci = bootstrap_ci_within_seeds(x, seed=0, n_resamples=40_000, confidence=0.9)
+    ci = bootstrap_ci_within_seeds(x, seed=0, n_resamples=40_000, confidence=0.9, resample_seeds=False)
     assert (ci["estimate"], ci["low"], ci["high"]) == (1.0, 0.0, 2.0)
 
 
@@ -130,14 +130,14 @@ def test_perfectly_correlated_seeds_keep_the_one_seed_interval():
     within = _enumerate(lambda i, j: (np.mean([x[k] for k in i]) + np.mean([x[k] for k in j])) / 2, 3, 2)
     assert [_exact_quantile(*joint, q) for q in (0.12, 0.88)] == [0.0, 2.0]
     assert [_exact_quantile(*within, q) for q in (0.12, 0.88)] == [0.5, 1.5]
-    ci = bootstrap_ci_shared_problems([x, x], seed=1, n_resamples=40_000, confidence=0.76)
+    ci = bootstrap_ci_shared_problems([x, x], seed=1, n_resamples=40_000, confidence=0.76, resample_seeds=False)
     assert (ci["low"], ci["high"]) == (0.0, 2.0)
-    ci = bootstrap_ci_within_seeds([x, x], seed=1, n_resamples=40_000, confidence=0.76)
+    ci = bootstrap_ci_within_seeds([x, x], seed=1, n_resamples=40_000, confidence=0.76, resample_seeds=False)
     assert (ci["low"], ci["high"]) == (0.5, 1.5)
     # one seed, and a seed duplicated: the very draws of the one-seed bootstrap
     one = bootstrap_ci([1.0, 4.0, -2.0, 0.5], seed=5, n_resamples=3000)
     for seeds in ([[1.0, 4.0, -2.0, 0.5]], [[1.0, 4.0, -2.0, 0.5]] * 2):
-        ci = bootstrap_ci_shared_problems(seeds, seed=5, n_resamples=3000)
+        ci = bootstrap_ci_shared_problems(seeds, seed=5, n_resamples=3000, resample_seeds=len(seeds) == 1)
         assert (ci["estimate"], ci["low"], ci["high"]) == pytest.approx((one.estimate, one.low, one.high), abs=1e-12)
 
 
@@ -154,12 +154,33 @@ def test_undefined_differences_by_enumeration():
 
     ref = _enumerate(stat, 3, 1)
     lo, hi = (_exact_quantile(*ref, q) for q in (0.05, 0.95))
-    ci = bootstrap_ci_shared_problems(x, seed=2, n_resamples=40_000, confidence=0.9)
+    ci = bootstrap_ci_shared_problems(x, seed=2, n_resamples=40_000, confidence=0.9, resample_seeds=False)
     assert (ci["estimate"], ci["low"], ci["high"]) == (2.0, lo, hi) == (2.0, 1.5, 2.5)
     with pytest.raises(ValueError):  # a seed with nothing defined
         bootstrap_ci_shared_problems([[1.0, 2.0], [nan, nan]])
     with pytest.raises(ValueError):  # the seeds must share their problems
         bootstrap_ci_shared_problems([[1.0, 2.0], [1.0]])
+
+
+def test_two_level_bootstrap_holds_the_seed_spread_by_enumeration():
+    # Two seeds whose rows do not overlap: seed 0 (0, 2), seed 1 (4, 6). Two-level: draw 2 seeds with replacement,
+    # then each drawn seed's 2 rows with replacement (independently per slot): 4 x 16 equally likely outcomes,
+    # enumerated below. At 80% (quantiles 0.10 / 0.90) that is [1.0, 5.0]; rows within the seeds only: [2.5, 3.5],
+    # an interval that excludes both seeds' own means (1 and 5).
+    x = [[0.0, 2.0], [4.0, 6.0]]
+    ref = _enumerate(lambda i, j, k: (np.mean([x[i[0]][r] for r in j]) + np.mean([x[i[1]][r] for r in k])) / 2, 2, 3)
+    lo, hi = (_exact_quantile(*ref, q) for q in (0.10, 0.90))
+    ci = bootstrap_ci_within_seeds(x, seed=0, n_resamples=40_000, confidence=0.8)
+    assert (ci["estimate"], ci["low"], ci["high"]) == (3.0, lo, hi) == (3.0, 1.0, 5.0)
+    assert (ci["seeds"], ci["resamples"]) == (2, "seeds, then rows within each drawn seed")
+    fixed = bootstrap_ci_within_seeds(x, seed=0, n_resamples=40_000, confidence=0.8, resample_seeds=False)
+    assert (fixed["low"], fixed["high"]) == (2.5, 3.5)
+    # shared problems: seeds (0, 2) and (4, 6) on the same two problems; the problem draw is shared, the seed draw
+    # is not: mean over 2 seed slots of the drawn seeds' means over one index vector (4 x 4 outcomes)
+    ref = _enumerate(lambda i, j: np.mean([np.mean([x[s][r] for r in j]) for s in i]), 2, 2)
+    lo, hi = (_exact_quantile(*ref, q) for q in (0.10, 0.90))
+    ci = bootstrap_ci_shared_problems(x, seed=0, n_resamples=40_000, confidence=0.8)
+    assert (ci["estimate"], ci["low"], ci["high"]) == (3.0, lo, hi) and ci["seeds"] == 2
 
 
 def test_bootstrap_within_seeds_basics():
@@ -168,6 +189,8 @@ def test_bootstrap_within_seeds_basics():
     assert ci["estimate"] == pytest.approx((0.5 + 1 / 6) / 2)
     assert ci == bootstrap_ci_within_seeds(groups, seed=3, n_resamples=4000)  # seeded
     const = bootstrap_ci_within_seeds([[2.0, 2.0], [4.0]], n_resamples=100)
-    assert const == {"estimate": 3.0, "low": 3.0, "high": 3.0}  # nothing to resample: a zero-width interval
+    assert (const["low"], const["estimate"], const["high"]) == (2.0, 3.0, 4.0)  # 2.5% of draws: seed 0 twice
+    const = bootstrap_ci_within_seeds([[2.0, 2.0], [4.0]], n_resamples=100, resample_seeds=False)
+    assert (const["estimate"], const["low"], const["high"]) == (3.0, 3.0, 3.0)  # nothing to resample: zero width
     with pytest.raises(ValueError):
         bootstrap_ci_within_seeds([[1.0], []])

@@ -24,17 +24,17 @@ is so that the pages it produced stay current.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
-import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+
+import torch
 
 from fullband.cli import build_parser
 from fullband.experiments import reasoning as rs
 from fullband.experiments.common import apply_quick, steps_for, train_or_reuse, train_pair
 from fullband.experiments.reasoning_report import BASELINE, EPOCHS, FBT, FLOPS, INTERN, PAUSE_ARM
 from fullband.training.pretrain import refuse_changed_runs
+from fullband.utils.jobs import run_jobs
 
 
 def _weight(cfg) -> float:
@@ -108,14 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = sorted(((w, f"seed {s} {what}", job) for s in seeds for w, what, job in jobs_of(args, configs[s], corpora)),
                   key=lambda x: -x[0])
-    os.environ["OMP_NUM_THREADS"] = "1"  # the workers inherit it: one thread each
-    t0 = time.perf_counter()
     print(f"pretrain_reasoning: {len(work)} jobs on {own.jobs} processes: " + ", ".join(f"{w[1]} ({w[0]:,.0f})" for w in work))
-    with ProcessPoolExecutor(own.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(run_job, job): what for _, what, job in work}
-        for f in as_completed(futures):
-            print(f"pretrain_reasoning: {futures[f]} done in {f.result():.0f} s "
-                  f"({time.perf_counter() - t0:.0f} s so far)", flush=True)
+    # one-thread spawned processes, the costliest first (fullband.utils.jobs: what the quickstart trains with too);
+    # --jobs 1: here, at one thread as well
+    torch.set_num_threads(1)
+    run_jobs([(w, what, run_job, (job,)) for w, what, job in work], own.jobs,
+             lambda line: print(f"pretrain_reasoning: {line}", flush=True))
     return 0
 
 

@@ -4,15 +4,16 @@ line (:func:`analyse`, :func:`goal`), the tables (:func:`tables`, what the docs 
 ``report.md``. Pure functions of the results dict :func:`fullband.experiments.programs.run_programs` builds.
 
 Accuracy is correct printed values over printed values (as ``fullband eval labelled`` counts it), per seed; a
-table shows the mean over seeds. Its 95% CI resamples the test programs within each seed (each seed has programs
-of its own), through each program's linearised share ``acc + (c_r - acc * n_r) / mean(n)`` (``c_r`` of ``n_r``
-printed values right), whose mean is the accuracy itself (:func:`fullband.utils.stats.bootstrap_ci`, one seed;
-:func:`fullband.utils.stats.bootstrap_ci_within_seeds`, several); it does not cover seed-to-seed variation:
-``{min..max}`` beside it is the range of the per-seed values."""
+table shows the mean over seeds. Its 95% CI resamples the seeds, then the test programs within each drawn seed
+(each seed has programs of its own; a two-level bootstrap, so it holds the seed-to-seed spread, as far as the
+seeds there are can show it), through each program's linearised share ``acc + (c_r - acc * n_r) / mean(n)``
+(``c_r`` of ``n_r`` printed values right), whose mean is the accuracy itself
+(:func:`fullband.utils.stats.bootstrap_ci`, one seed; :func:`fullband.utils.stats.bootstrap_ci_within_seeds`,
+several); ``{min..max}`` beside it is the range of the per-seed values."""
 
 from __future__ import annotations
 
-from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
+from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds, interval_scope
 from .common import accuracy_panels
 
 GOAL = dict(fbt=0.99, plain=0.5, flops=3.0)  # the issue's: FBT exact >= 0.99 where plain <= 0.5, at <= 3x FLOPs
@@ -115,11 +116,9 @@ def fmt_ci(d: dict, per_seed=None, sign: bool = False) -> str:
 
 
 def ci_scope(res: dict) -> str:
-    """What the CIs resample: the test programs within a seed, never the seeds."""
-    if len(res["seeds"]) > 1:
-        return (f"mean of {len(res['seeds'])} seeds; the 95% CI resamples the test programs within each seed (not the "
-                "seeds: {min..max} is the range of the per-seed values)")
-    return f"seed {res['seeds'][0]} only; the 95% CI resamples its test programs within the seed, not seeds"
+    """What the CIs resample (as the intervals in ``res`` say), and the per-seed range beside them."""
+    text = interval_scope(res["table"][0]["accuracy"], len(res["seeds"]), "test programs")
+    return text + ("; {min..max} is the range of the per-seed values" if len(res["seeds"]) > 1 else "")
 
 
 def _by(rows: list[dict], *keys) -> dict:

@@ -55,10 +55,13 @@ from ..eval.scoring import load_any_model, row_losses
 from ..model.generation import MODES, generate
 from ..training.config import TrainConfig
 from ..training.device import load_average
+from ..training.distributed import resolve_device
 from ..training.pretrain import build_tokenizer_and_corpus, refuse_changed_runs, spread_rows
+from ..utils.jobs import default_jobs, run_jobs
 from ..utils.plotting import plot_loss_curves
 from ..utils.stats import bootstrap_ci
-from .common import epochs_config, flops_config, train_or_reuse, train_pair, unique_tokens, write_results
+from .common import (branch_step, epochs_config, flops_config, train_or_reuse, train_pair, unique_tokens,
+                     write_results)
 from .quickstart_state import run_state_part
 
 DEFAULTS = dict(out=os.path.join("runs", "quickstart"), preset="tiny", steps=300, batch_size=16, seq_len=128,
@@ -75,11 +78,22 @@ COLLAPSE = 0.1
 def _configs(args):
     common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
-                  progress=not args.no_progress, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
+                  progress=not args.no_progress and args.jobs == 1, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
                   device=args.device, save_every=0)
     base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
     fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
     return base, fbt
+
+
+# what the running-state part costs at its default 900 steps, in plain language-model steps of the default size
+# (measured at one thread: its three arms trained and scored in about the time of 230 such steps)
+STATE_COST = 230.0
+
+
+def _cost(cfg) -> float:
+    """A run's rough cost in plain steps (K passes a K-pass step after the feedback start): orders the units."""
+    start = cfg.schedule().start_step(cfg.steps) if cfg.num_passes > 1 else cfg.steps
+    return start + (cfg.steps - start) * max(1, cfg.num_passes)
 
 
 def _controls(args, fbt, vocab_size: int):
@@ -205,6 +219,17 @@ def _targets_text(t: dict) -> str:
 
 
 def run_quickstart(args) -> dict:
+    """The main job (the module docstring), at one thread in this process and in each of its ``--jobs`` workers (the
+    caller's thread count restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_quickstart(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_quickstart(args) -> dict:
     hf_logging.disable_progress_bar()
     t_all = time.perf_counter()
     load_start = load_average()
@@ -218,6 +243,11 @@ def run_quickstart(args) -> dict:
                          "test row another row's state)")
     if args.num_passes < 2:
         raise ValueError(f"--num-passes must be >= 2 for the FBT model, got {args.num_passes}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    # one thread a process, trained side by side (:mod:`fullband.utils.jobs`): the numbers of a one-thread run
+    if args.jobs is None:
+        args.jobs = 1 if resolve_device(args.device).type != "cpu" else default_jobs(4)
     if args.score_prompt is None:  # a quarter of a row, at most 32 tokens
         args.score_prompt = max(1, min(32, args.seq_len // 4))
     if not 1 <= args.score_prompt < args.seq_len - 1:
@@ -244,22 +274,33 @@ def run_quickstart(args) -> dict:
     epochs_run = None if args.no_epochs_baseline else epochs_cfg
     refuse_changed_runs([c for c in (base_cfg, fbt_cfg, flops_run, epochs_run) if c is not None], corpus,
                         args.overwrite)
-    # ---- where the state must pay: running-state tasks (fullband experiment state at a cheap setting; first, as
-    # it is the shorter part: a finished state run of other options stops the quickstart before the language runs)
-    t = time.perf_counter()
-    if not args.no_state:
-        say("quickstart: the running-state tasks (S3, parity; label at every position)")
-    running_state = None if args.no_state else run_state_part(args)
-    t_state = time.perf_counter() - t
-
+    # ---- training, in --jobs one-thread processes: the running-state part (fullband experiment state at a cheap
+    # setting: trained and scored), the baseline/FBT pair (sharing the steps before the feedback start), and each
+    # control unless it shares steps with the pair
+    share = not args.no_share_prefix
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
+    flops_alone = flops_run is not None and not (share and branch_step(base_cfg, flops_run) > 0)
+    work = [(_cost(base_cfg) + _cost(fbt_cfg) - (start if share else 0) + (0 if flops_alone or flops_run is None
+             else _cost(flops_run)), "baseline + FBT", train_pair,
+             (base_cfg, fbt_cfg, corpus, share, None if flops_alone else flops_run, args.overwrite))]
+    if flops_alone:
+        work.append((_cost(flops_run), "baseline-flops", train_or_reuse,
+                     (flops_run, corpus, "baseline-flops (FBT's training FLOPs, fresh rows)")))
+    if epochs_run is not None:
+        work.append((_cost(epochs_run), "baseline-epochs", train_or_reuse,
+                     (epochs_run, corpus, "baseline-epochs (FBT's unique rows for its training FLOPs)")))
+    if not args.no_state:
+        work.append((STATE_COST * args.state_steps / 900, "running-state part", run_state_part, (args,)))
+    say(f"quickstart: training {len(work)} units ({', '.join(w[1] for w in work)}) in {min(args.jobs, len(work))} "
+        "one-thread process(es)")
     t = time.perf_counter()
-    _, _, shared = train_pair(base_cfg, fbt_cfg, corpus, share=not args.no_share_prefix, longer_cfg=flops_run,
-                              overwrite=args.overwrite)
-    # the new arm's own training time (as its run recorded it; a reused run's from when it was trained)
-    t_epochs = (train_or_reuse(epochs_run, corpus, name="baseline-epochs (FBT's unique rows for its training FLOPs)")
-                .get("elapsed", 0.0) if epochs_run is not None else 0.0)
+    done = run_jobs(work, args.jobs, say)
     t_train = time.perf_counter() - t
+    shared = done["baseline + FBT"][2]
+    running_state = done.get("running-state part")
+    t_state = running_state["seconds"] if running_state else 0.0
+    # the new arm's own training time (as its run recorded it; a reused run's from when it was trained)
+    t_epochs = done["baseline-epochs"].get("elapsed", 0.0) if epochs_run is not None else 0.0
 
     # ---- evaluation: the saved models, reloaded (checks they load), on the same held-out rows
     t = time.perf_counter()
@@ -335,7 +376,8 @@ def run_quickstart(args) -> dict:
         "seconds": {"data": t_data, "train": t_train, "train_baseline_epochs": t_epochs, "eval": t_eval,
                     "samples": t_samples, "state": t_state, "total": wall},
         "running_state": running_state,
-        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": [load_start, load_average()],
+        "threads": torch.get_num_threads(), "jobs": args.jobs, "cpu_count": os.cpu_count(),
+        "load_average": [load_start, load_average()],
         "torch": torch.__version__, "platform": platform.platform(),
         "samples": samples, "sampling": how, "fbt_default_mode": fbt.config.default_feedback_mode,
     }
@@ -444,8 +486,10 @@ def _report(res: dict, table: str, args) -> str:
     lines += [
         "## Run",
         "",
-        f"Wall time {sec['total']:.0f}s (data {sec['data']:.0f}s, training {sec['train']:.0f}s, evaluation "
-        f"{sec['eval']:.0f}s, samples {sec['samples']:.0f}s, running-state part {sec['state']:.0f}s) on {res['threads']} CPU thread(s) of {res['cpu_count']} "
+        f"Wall time {sec['total']:.0f}s (data {sec['data']:.0f}s, training {sec['train']:.0f}s"
+        + f" in {res.get('jobs', 1)} process(es), the running-state part's {sec['state']:.0f}s among it"
+        + f", evaluation {sec['eval']:.0f}s, samples {sec['samples']:.0f}s) at {res['threads']} CPU thread(s) a "
+        f"process, of {res['cpu_count']} "
         f"CPUs (1-minute load average {res['load_average'][0]} at the start, {res['load_average'][1]} at the end), "
         f"torch {res['torch']}.",
         "",

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..eval.problems import PAUSE, format_prompt
 from .common import accuracy_panels, parse_settings, plain_config, recipe_from_args
+from ..utils.stats import SEEDS_THEN_ROWS
 from .reasoning_report import BASELINE, EPOCHS, FBT, FLOPS, INTERN, PAUSE_ARM
 
 EXACT_RECIPE = dict(num_passes=2, exact_states=True, grad_passes=2, feedback_start=0.0, deep_fraction=0.0,
@@ -140,8 +141,9 @@ def control_groups(keys, stages: int) -> dict[str, list[tuple]]:
 def trace_savings(runs: list[dict], seeds: list[int], stages: int, seed: int, n_resamples: int) -> list[dict]:
     """For each FBT mode's free decode: its accuracy and trace, and against each plain model the trace that model's
     frontier needs for that accuracy (:func:`frontier_trace`) and the saving ``1 - FBT's / that`` (the goal: >= 0.15
-    against the best plain model), with percentile-bootstrap 95% CIs that draw one set of problems per resample for
-    every seed and decode (problems resampled, not training runs)."""
+    against the best plain model), with percentile-bootstrap 95% CIs that draw the seeds (with replacement, one
+    draw for every model) and one set of problems per resample for every seed and decode, so they hold the
+    seed-to-seed spread as well as the problems'."""
     arrays = {}
     for key in dict.fromkeys((r["model"], r["mode"], r["style"]) for r in runs):
         per = {r["seed"]: r["records"] for r in runs if (r["model"], r["mode"], r["style"]) == key}
@@ -156,7 +158,16 @@ def trace_savings(runs: list[dict], seeds: list[int], stages: int, seed: int, n_
     n = next(iter(arrays.values()))[0].shape[1]
     rng = np.random.default_rng(seed)
     draws = np.concatenate([np.arange(n)[None], rng.integers(0, n, (n_resamples, n))])  # row 0: the estimate
-    means = {k: (t[:, draws].mean(axis=(0, 2)), c[:, draws].mean(axis=(0, 2))) for k, (c, t) in arrays.items()}
+    k_seeds = len(seeds)  # each resample's seed counts ([seeds, resamples + 1]; column 0: every seed once)
+    counts = np.ones((k_seeds, len(draws)))
+    if k_seeds > 1:
+        picks = np.random.default_rng([seed, 1]).integers(0, k_seeds, (n_resamples, k_seeds))
+        counts[:, 1:] = np.stack([np.bincount(p, minlength=k_seeds) for p in picks], axis=1)
+
+    def pooled(x: np.ndarray) -> np.ndarray:  # [seeds, problems] -> the resampled means over seeds and problems
+        return (x[:, draws].mean(axis=2) * counts).sum(axis=0) / k_seeds
+
+    means = {k: (pooled(t), pooled(c)) for k, (c, t) in arrays.items()}
     out = []
     for fk in fbt_keys:
         ft, fa = means[fk]
@@ -173,7 +184,8 @@ def trace_savings(runs: list[dict], seeds: list[int], stages: int, seed: int, n_
                           "points": [[float(means[k][0][0]), float(means[k][1][0]), f"{k[0]}/{k[2]}"] for k in keys]}
         best = min(rows, key=lambda g: rows[g]["saving"])
         out.append({"fbt": f"{FBT}/{fk[1]}", "accuracy": float(fa[0]), "trace": float(ft[0]), "against": rows,
-                    "best_control": best, "goal_met": rows[best]["low"] >= 0.15, "resamples": n_resamples})
+                    "best_control": best, "goal_met": rows[best]["low"] >= 0.15, "resamples": n_resamples,
+                    "resampled": SEEDS_THEN_ROWS.replace("rows", "problems") if k_seeds > 1 else "problems"})
     return out
 
 

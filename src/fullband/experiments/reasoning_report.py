@@ -17,6 +17,12 @@ def _ci(c: dict | None, digits: int = 3) -> str:
     return f"{c['estimate']:+.{digits}f} [{c['low']:+.{digits}f}, {c['high']:+.{digits}f}]"
 
 
+def _two_level(res: dict) -> bool:
+    """Whether the results' paired CIs resampled the seeds too (results from before that lack the label)."""
+    first = next((c["accuracy"] for c in res.get("comparisons") or [] if c.get("accuracy")), {})
+    return str(first.get("resamples", "")).startswith("seeds")
+
+
 def tables(res: dict, full: bool = False) -> str:
     """The accuracy / trace / decode-FLOPs table, then FBT's paired differences against each plain run of
     :data:`KINDS` (``full``: also against its own standard mode and each longer baseline against the baseline, each
@@ -114,8 +120,11 @@ def controls_text(res: dict) -> str:
                      "accuracy on its accuracy-against-trace frontier (its decodes of every verbosity, or stage, "
                      "each kept if more accurate than every shorter one, read linearly between them; `<=`: its "
                      "shortest decode is already as accurate), and 1 - FBT's trace / that (1: never reached; "
-                     f"floored at {-10:.0f}); 95% CIs by a bootstrap that draws one set of problems per resample "
-                     "for every seed and decode. The goal: >= 0.15 against the best plain model (its CI's low end).")
+                     f"floored at {-10:.0f}); 95% CIs by a bootstrap that draws "
+                     + ("the seeds (with replacement), then " if str(res["trace_savings"][0].get("resampled", ""))
+                        .startswith("seeds") else "")
+                     + "one set of problems per resample for every seed and decode. The goal: >= 0.15 against the "
+                     "best plain model (its CI's low end).")
     return " ".join(parts)
 
 
@@ -153,7 +162,10 @@ def markdown(res: dict, text: str) -> str:
         "decodes the same problems, so the problem is the unit: p is the exact two-sided sign-flip test of the "
         "per-problem differences summed over seeds (each problem counted once; with one seed it is exact McNemar), "
         "next to exact McNemar on each seed's discordant pairs (A only / B only); the percentile-bootstrap 95% CIs "
-        "draw one set of problems per resample and apply it to every seed (problems resampled, not training runs).",
+        + ("draw the seeds with replacement, then one set of problems per resample applied to every drawn seed "
+           "(problems and training runs resampled)." if _two_level(res) else
+           "draw one set of problems per resample and apply it to every seed (problems resampled, not training "
+           "runs)."),
         "",
         text, "",
         f"Wall time {res['seconds']:.0f}s (training {res['train_seconds']:.0f}s in this invocation, decoding "

@@ -36,8 +36,8 @@ K = 2 and K = 3 teacher-forced passes, ``exact`` (the token-by-token recurrence)
 tokens (each row's positions after the prompt). Reported per arm and mode: the loss (mean over seeds, and per
 seed), its inference FLOPs relative to ``standard``, the paired difference to the baseline at equal tokens, at
 equal training FLOPs and at equal unique tokens and training FLOPs (percentile bootstrap
-over rows, per seed; the pooled CI resamples rows within each seed: each seed's held-out rows come from its own
-seeded validation split, so the seeds share no rows), and the switch-on diagnostics (pass-2 minus
+over rows, per seed; the pooled CI resamples the seeds, then the rows within each drawn seed: each seed's held-out
+rows come from its own seeded validation split, so the seeds share no rows), and the switch-on diagnostics (pass-2 minus
 pass-1 loss and gradient norm over the first feedback steps). Writes ``results.json``, ``report.md`` and
 ``recipe.png`` into ``--out``. Finished runs of the same options, data and trunk are reused, and their evaluations
 as long as the model's weights and the scored rows are the same; a finished run that differs is kept and the

@@ -67,7 +67,7 @@ def analyse(seeds: list[dict], arms: list, controls: dict[str, dict[str, str]], 
                    "inference_flops": mode_cost(mode, first["flop_parameters"], seeds[0]["row_tokens"],
                                                 prompt_tokens)}
             if arm.name != arm.reference:
-                # each seed scores rows of its own seeded validation split: resampled within each seed
+                # each seed scores rows of its own seeded validation split: the seeds, then rows within each
                 row["delta_tokens"] = bootstrap_ci_within_seeds(d_tok, boot_seed)
                 row["delta_tokens_per_seed"] = [bootstrap_ci(d, seed=boot_seed).as_dict() for d in d_tok]
             if mode != "standard":
@@ -154,8 +154,8 @@ COLUMNS = (
     "`standard`'s on the same row and model (`fullband.eval.flops.inference_flops`: K=k runs k passes over the row, "
     "passes 2..k fused, logits once; `exact` is `standard`'s FLOPs plus a fusion a token, in one-token steps; `soft` "
     "prefills the prompt plainly, then fuses each continuation token; `fused` adds one fused pass over the prompt). "
-    "Each Δ is the arm's per-row loss minus a baseline's, paired by row (95% percentile bootstrap, rows resampled "
-    "within each seed): *equal tokens* against the arm's plain reference (same steps, the same unique tokens); "
+    "Each Δ is the arm's per-row loss minus a baseline's, paired by row (95% percentile bootstrap: the seeds "
+    "resampled, then the rows within each drawn seed; below 3 seeds it cannot hold the seed variance): *equal tokens* against the arm's plain reference (same steps, the same unique tokens); "
     "*equal FLOPs* against that reference's loss at the arm's training FLOPs, interpolated per row (linear in log "
     "FLOPs) towards its `-flops` baseline (trained longer, reading further: more unique tokens); *equal unique "
     "tokens & FLOPs* the same towards its `-epochs` baseline (trained as long as the `-flops` one, on exactly the "

@@ -1,12 +1,12 @@
 """The state experiment's analysis and report: the paired differences and interventions over seeds
-(:func:`analyse`), the tables (per-position accuracy with its CI -- which resamples the test rows within each seed
-only -- and the range of the per-seed values), the LR sweep table, the figure and ``report.md``. Pure functions of
+(:func:`analyse`), the tables (per-position accuracy with its CI -- which resamples the seeds, then the test rows
+within each drawn seed -- and the range of the per-seed values), the LR sweep table, the figure and ``report.md``. Pure functions of
 the results dict that :func:`fullband.experiments.state.run_state` builds."""
 
 from __future__ import annotations
 
 from ..eval.state_tasks import CHANCE
-from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds
+from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds, interval_scope
 from .common import accuracy_panels
 from .interventions import INTERVENTIONS
 from .synthetic import CONTROL_ARMS, EPOCHS_ARM, FLOPS_ARM
@@ -16,8 +16,8 @@ REFS = ("baseline-L", "baseline-4L", FLOPS_ARM, EPOCHS_ARM)  # paired references
 
 
 def _ci(groups: list[list[float]], boot: int) -> dict:
-    """The mean over seeds of each seed's mean of ``groups[seed]``, with a 95% CI that resamples the rows within each
-    seed (each seed has its own test rows); one seed: the percentile bootstrap of its rows."""
+    """The mean over seeds of each seed's mean of ``groups[seed]``, with a 95% CI that resamples the seeds, then the
+    rows within each drawn seed (each seed has its own test rows); one seed: the percentile bootstrap of its rows."""
     if len(groups) == 1:
         return bootstrap_ci(groups[0], seed=0, n_resamples=boot).as_dict()
     return bootstrap_ci_within_seeds(groups, seed=0, n_resamples=boot) | {"confidence": 0.95}
@@ -76,14 +76,12 @@ def fmt_ci(d, digits=2, sign=False, per_seed=None):
 
 
 def ci_scope(res: dict) -> str:
-    """What the CIs resample, said beside every table: the test rows within each seed only, never the seeds."""
+    """What the CIs resample (as the intervals in ``res`` say), said beside every table, with the per-seed range."""
     count = len(res["seeds"])
+    text = interval_scope(res["table"][0]["pos"], count, "test rows")
     if count > 1:
-        return (f"mean of {count} seeds; the 95% CI resamples the test rows within each seed only (it does not cover "
-                "seed-to-seed variation: {min..max} is the range of the per-seed values), so a CI that excludes 0 "
-                "says the test rows, not the seeds, would not move it")
-    return (f"seed {res['seeds'][0]} only; the 95% CI resamples its test rows, not seeds: a CI that excludes 0 says "
-            "nothing about another seed")
+        return text + ": {min..max} is the range of the per-seed values"
+    return text + ": a CI that excludes 0 says nothing about another seed"
 
 
 def curriculum_note(settings: dict) -> str:

@@ -13,6 +13,9 @@ Owns
     seed; :func:`bootstrap_ci_shared_problems` — one index draw per resample applied to every seed;
   - each seed has its own rows (e.g. a seeded validation split): :func:`bootstrap_ci_within_seeds` resamples
     each seed's rows independently.
+  Both resample the seeds too by default (a two-level bootstrap: seeds with replacement, then rows / problems), so
+  a headline interval holds the seed-to-seed spread; the result names what it resampled (``resamples``) and how
+  many seeds it had (``seeds``: below 3 no interval can hold the seed variance).
 
 Python, numpy and torch's seeded generator; scipy is not needed.
 """
@@ -129,24 +132,53 @@ def compare_paired(correct_a: Sequence[bool], correct_b: Sequence[bool],
     return out
 
 
+SEEDS_THEN_ROWS = "seeds, then rows within each drawn seed"  # what a two-level interval resamples (its label)
+ROWS_WITHIN_SEEDS = "rows within each seed, not the seeds"
+
+
 def bootstrap_ci_within_seeds(diffs_per_group: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 2000,
-                              confidence: float = 0.95) -> dict:
-    """Mean over groups (training seeds) of each group's mean paired difference, with a percentile-bootstrap CI
-    that resamples the differences within each group independently: for seeds that do NOT share their rows (each
-    seed scored on rows of its own); seeds that score the same problems need :func:`bootstrap_ci_shared_problems`.
-    Seeded and deterministic. Returns ``{"estimate", "low", "high"}``."""
+                              confidence: float = 0.95, resample_seeds: bool = True) -> dict:
+    """Mean over groups (training seeds) of each group's mean paired difference, with a percentile-bootstrap CI,
+    for seeds that do NOT share their rows (each seed scored on rows of its own; seeds that score the same problems
+    need :func:`bootstrap_ci_shared_problems`). Seeded and deterministic.
+
+    ``resample_seeds`` (the default): a two-level bootstrap, so the interval holds the seed-to-seed spread: every
+    resample draws as many seeds as there are, with replacement, and for each drawn seed resamples its rows (a
+    seed drawn twice gets two independent row draws). ``False``: the rows within each seed only, the seeds fixed
+    (the interval then says nothing about another seed). With fewer than 3 seeds no interval can hold the seed
+    variance (two seeds give three seed draws); the result says how many seeds it saw.
+    Returns ``{"estimate", "low", "high", "confidence", "seeds", "resamples"}``."""
     groups = [torch.tensor(list(d), dtype=torch.float64) for d in diffs_per_group]
     if not groups or any(g.numel() == 0 for g in groups):
         raise ValueError("bootstrap_ci_within_seeds needs at least one difference in every group")
     g = torch.Generator().manual_seed(seed)
-    boots = torch.zeros(n_resamples, dtype=torch.float64)
-    for d in groups:
-        idx = torch.randint(0, d.numel(), (n_resamples, d.numel()), generator=g)
-        boots += d[idx].mean(1)
-    boots /= len(groups)
+    n = len(groups)
+    copies = n if resample_seeds else 1
+    # row-resample means: [seed, copy, resample]
+    row_means = torch.stack([d[torch.randint(0, d.numel(), (copies, n_resamples, d.numel()), generator=g)].mean(2)
+                             for d in groups])
+    if resample_seeds:
+        drawn = torch.randint(0, n, (n, n_resamples), generator=g)  # [slot, resample]: which seed fills the slot
+        slot = torch.arange(n).unsqueeze(1).expand(n, n_resamples)
+        boots = row_means[drawn, slot, torch.arange(n_resamples)].mean(0)
+    else:
+        boots = row_means[:, 0, :].mean(0)
     alpha = (1.0 - confidence) / 2.0
     lo, hi = torch.quantile(boots, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)).tolist()
-    return {"estimate": float(sum(d.mean() for d in groups) / len(groups)), "low": lo, "high": hi}
+    return {"estimate": float(sum(d.mean() for d in groups) / n), "low": lo, "high": hi, "confidence": confidence,
+            "seeds": n, "resamples": SEEDS_THEN_ROWS if resample_seeds else ROWS_WITHIN_SEEDS}
+
+
+def interval_scope(ci: dict, seeds: int, unit: str) -> str:
+    """What a (mean over seeds) 95% CI resampled, for a caption: read from the interval itself (``resamples``, which
+    intervals from before the two-level bootstrap lack), so a page rendered from an older results file says what
+    that file's intervals are. ``unit``: what a seed's rows are (e.g. "test programs")."""
+    if seeds == 1:
+        return f"one seed: the 95% CI resamples its {unit}, not seeds, so it cannot hold the seed variance"
+    if str(ci.get("resamples", "")).startswith("seeds"):
+        text = f"mean of {seeds} seeds; the 95% CI resamples the seeds, then the {unit} within each drawn seed"
+        return text + (f" (with {seeds} seeds it cannot hold the seed variance)" if seeds < 3 else "")
+    return f"mean of {seeds} seeds; the 95% CI resamples the {unit} within each seed, not the seeds"
 
 
 # ---------------------------------------------------------------------------------------------- shared problems
@@ -215,13 +247,16 @@ def paired_test_shared_problems(correct_a: Sequence[Sequence[bool]], correct_b: 
 
 
 def bootstrap_ci_shared_problems(diffs_per_seed: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 10_000,
-                                 confidence: float = 0.95) -> dict:
+                                 confidence: float = 0.95, resample_seeds: bool = True) -> dict:
     """Mean over seeds of each seed's mean paired difference, with a percentile-bootstrap CI for seeds that share
     their problems: every resample draws ONE vector of problem indices (with replacement) and applies it to every
     seed, so a problem's seeds stay together. ``NaN`` marks a difference not defined for that seed and problem
     (e.g. a trace difference where not both were right): a seed's mean is over its defined entries, and a seed
     with none in a resample is left out of that resample's mean. Seeded and deterministic; with one seed it draws
-    exactly what :func:`bootstrap_ci` draws. Returns ``{"estimate", "low", "high"}``."""
+    exactly what :func:`bootstrap_ci` draws. ``resample_seeds`` (the default, two seeds or more): each resample
+    also draws the seeds with replacement (after its problem draw, from a generator of its own, so the problem draws
+    stay those above), so the interval holds the seed-to-seed spread as well; ``False``: the seeds fixed.
+    Returns ``{"estimate", "low", "high", "confidence", "seeds", "resamples"}``."""
     x = _per_seed_matrix(diffs_per_seed, "bootstrap_ci_shared_problems")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
@@ -233,6 +268,9 @@ def bootstrap_ci_shared_problems(diffs_per_seed: Sequence[Sequence[float]], seed
     vals, mask = np.where(defined, x, 0.0), defined.astype(np.float64)
     n = x.shape[1]
     rng = np.random.default_rng(seed)
+    n_seeds = x.shape[0]
+    two_level = resample_seeds and n_seeds > 1
+    seed_rng = np.random.default_rng([seed, 1])
     means = np.empty(n_resamples, dtype=np.float64)
     chunk = max(1, 2_000_000 // n)  # the same draws as bootstrap_ci for one seed
     for start in range(0, n_resamples, chunk):
@@ -241,10 +279,15 @@ def bootstrap_ci_shared_problems(diffs_per_seed: Sequence[Sequence[float]], seed
         sums, cnts = vals[:, idx].sum(axis=2), mask[:, idx].sum(axis=2)  # [seeds, resamples]
         ok = cnts > 0
         seed_means = np.where(ok, sums / np.where(ok, cnts, 1.0), 0.0)
-        used = ok.sum(axis=0)
-        means[start:stop] = np.where(used > 0, seed_means.sum(axis=0) / np.maximum(used, 1), np.nan)
+        # how often each seed is drawn in each resample ([seeds, resamples]; all ones when the seeds are fixed)
+        weight = (np.stack([np.bincount(r, minlength=n_seeds) for r in
+                            seed_rng.integers(0, n_seeds, size=(stop - start, n_seeds))], axis=1)
+                  if two_level else np.ones_like(seed_means))
+        used = (weight * ok).sum(axis=0)
+        means[start:stop] = np.where(used > 0, (weight * seed_means).sum(axis=0) / np.maximum(used, 1), np.nan)
     alpha = (1.0 - confidence) / 2.0
     # a resample that drew no defined entry in any seed has no mean: left out (only possible with NaN entries)
     low, high = np.nanquantile(means, [alpha, 1.0 - alpha])
     estimate = float(np.mean(vals.sum(axis=1) / mask.sum(axis=1)))
-    return {"estimate": estimate, "low": float(low), "high": float(high)}
+    return {"estimate": estimate, "low": float(low), "high": float(high), "confidence": confidence, "seeds": n_seeds,
+            "resamples": (SEEDS_THEN_ROWS if two_level else ROWS_WITHIN_SEEDS).replace("rows", "problems")}
