@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     q.add_argument("--labelled", action="store_true",
                    help="SRC is a .jsonl of labelled rows (detected when its first row has 'input' and 'target'): "
                         "write token and target ids per row, the word-level vocabulary and a manifest (--val-fraction "
-                        "and --seed split per row). " + labelled.FORMAT_HELP)
+                        "and --seed split by row content: equal rows share a split). " + labelled.FORMAT_HELP)
     q.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     q.add_argument("--json", action="store_true", help="print the manifest and this run's throughput as JSON")
     q.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)  # tests: a killed run

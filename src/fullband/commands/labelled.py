@@ -36,8 +36,9 @@ def run_prepare(args) -> int:
         return 0
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     print(f"fullband data prepare: {tr['rows'] + va['rows']:,} labelled rows (train {tr['rows']:,}, val "
-          f"{va['rows']:,}), vocabulary {manifest['vocab_size']}, longest row {max(tr['max_length'], va['max_length'])} "
-          f"inputs; {args.out}")
+          f"{va['rows']:,}; {manifest['duplicate_rows']:,} repeat an earlier row's inputs, split by content), "
+          f"vocabulary {manifest['vocab_size']}, longest row {max(tr['max_length'], va['max_length'])} inputs; "
+          f"{args.out}")
     return 0
 
 
