@@ -311,7 +311,7 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         states, not through the token-by-token pass). It equals ``num_passes = T + 1 + N, grad_passes = N`` (the
         passes without gradient reach the exact states at pass T + 1) at the cost of two passes' forwards plus N
         gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
-        no plain pass, so ``feedback_weight`` does not apply) and ``pass_losses`` has N entries. It takes no
+        no plain pass, so ``feedback_weight`` does not apply: ``fullband train`` refuses a λ or its ramp here) and ``pass_losses`` has N entries. It takes no
         ``prev_hidden``, ``cache``, ``grad_passes`` or ``pass_tol``.
 
         Full backpropagation through the recurrence: ``full_backprop=True`` (with ``num_passes=1``) runs the

@@ -73,7 +73,7 @@ class TrainConfig:
     layers: int | None = config_field(None, "decoder layers of a backbone built from --preset (default: the preset's own: micro 2, tiny 4, small 6; e.g. plain models of 2x and 4x an FBT's depth); not with --init-from", group="model")
     init_from: str | None = config_field(None, "local HF causal-LM checkpoint to retrofit (or a fullband model to continue) instead of a preset", group="model")
     fusion: str = config_field("residual", "fusion of h_{t-1} and e_t: residual (u = e + GLU(h, e), measured best), glu (paper), concat, add", group="model")
-    feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K)", branch=True, group="model")
+    feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K) (not with --exact-states / --full-backprop: no plain pass)", branch=True, group="model")
     jitter: float = config_field(0.02, "uniform noise on the fed-back state, +-jitter * RMS(state)", branch=True, group="model")
     detach_state: bool = config_field(False, "stop gradients through the fed-back state (cheaper; not in the paper)", branch=True, group="model")
     # ---- optimisation
@@ -97,7 +97,7 @@ class TrainConfig:
     deep_passes: int = config_field(4, "K of the deep steps", branch=True, group="feedback")
     deep_fraction: float = config_field(0.1, "fraction of the feedback steps that use --deep-passes", branch=True, group="feedback")
     prefix_mix: float = config_field(0.25, "probability that a document keeps a random plain prefix on feedback steps", branch=True, group="feedback")
-    feedback_ramp: float = config_field(0.2, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight", branch=True, group="feedback")
+    feedback_ramp: float = config_field(0.2, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight (not with --exact-states / --full-backprop)", branch=True, group="feedback")
     fusion_only: float = config_field(0.0, "fraction of the feedback phase, at its start, in which only the fusion trains (backbone frozen)", branch=True, group="feedback")
     # ---- long recurrences (K up to the row length: K = seq_len is the exact recurrence)
     grad_passes: int = config_field(0, "truncated gradients: passes 1..K-N run without gradient, the last N backpropagate (0: all K)", branch=True, group="feedback")
@@ -164,6 +164,25 @@ class TrainConfig:
         if self.full_backprop and num_passes > 1:
             return 1
         return self.grad_passes if self.exact_states and num_passes > 1 else num_passes
+
+    def weighs_passes(self) -> bool:
+        """Whether λ (``--feedback-weight``, ramped over ``--feedback-ramp``) weighs a fed-back step's passes
+        (``L_1 + λ·mean(L_2..L_K)``): not with ``--exact-states`` (every gradient pass is the exact recurrence's, the
+        loss their mean) or ``--full-backprop`` (one pass, its loss): there is no plain pass to weigh them against."""
+        return not (self.exact_states or self.full_backprop)
+
+    def check_weight_applies(self) -> None:
+        """``ValueError`` (one line) when λ or its ramp is set away from its defaults (1.0; a ramp of 0.2 or 0) where
+        it does not apply (:meth:`weighs_passes`): an option that would do nothing is refused."""
+        ramp_default = TrainConfig.__dataclass_fields__["feedback_ramp"].default
+        if TrainConfig.weighs_passes(self) or (self.feedback_weight == 1.0
+                                               and self.feedback_ramp in (0.0, ramp_default)):
+            return
+        mode = "--exact-states (the loss is the mean of its gradient passes, all of them the exact recurrence's)" if (
+            self.exact_states) else "--full-backprop (the loss is the recurrence's, one pass)"
+        raise ValueError(f"--feedback-weight and --feedback-ramp do not apply with {mode}: there is no plain pass to "
+                         f"weigh against; leave them at 1.0 and {ramp_default} (got {self.feedback_weight} and "
+                         f"{self.feedback_ramp})")
 
     def loss_options(self) -> dict:
         """The K-pass forward's loss arguments of every training step (``loss_chunk``, ``z_loss``; ``None``: off)."""
@@ -256,6 +275,7 @@ class TrainConfig:
                  "recurrence: --grad-passes and --pass-tol (options of the K passes) do not apply; leave them 0")
             need(not (self.parallel == "fsdp" and world_size > 1), "--full-backprop does not run under FSDP2 (its "
                  "blocks recompute sharded layers in the backward): use --parallel ddp")
+        self.check_weight_applies()
         need(self.backprop_chunk >= 0, f"--backprop-chunk must be >= 0 tokens (0: no recomputation), got "
              f"{self.backprop_chunk}")
         need(0.0 <= self.pass_curriculum <= 1.0, f"--pass-curriculum must be in [0, 1], got {self.pass_curriculum}")
