@@ -309,8 +309,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         gradient, the first fed the exact states shifted right by one (so its output is the exact recurrence's, to
         rounding), each next one fed the one before (the gradient flows through these N passes and their chain of
         states, not through the token-by-token pass). It equals ``num_passes = T + 1 + N, grad_passes = N`` (the
-        passes without gradient reach the exact states at pass T + 1) at the cost of two passes' forwards plus N
-        gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
+        passes without gradient reach the exact states at pass T + 1) at the cost of one forward without the LM head
+        (the token-by-token pass: T sequential one-token calls) plus N gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
         no plain pass, so ``feedback_weight`` does not apply: ``fullband train`` refuses a λ or its ramp here) and ``pass_losses`` has N entries. It takes no
         ``prev_hidden``, ``cache``, ``grad_passes`` or ``pass_tol``.
 
