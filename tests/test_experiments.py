@@ -163,7 +163,6 @@ def test_recurrence_training_flops_match_a_counted_engine_step(mode, tmp_path, m
 
 
 def test_flop_parameters_skip_an_untied_input_embedding():
-
     model = tiny_model("llama")
     fp = flop_parameters(model)
     emb = model.get_input_embeddings().weight.numel()
