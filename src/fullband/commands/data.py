@@ -16,7 +16,8 @@ from ..data.prepare import prepare
 from ..eval.program_tasks import VARIABLES, write_program_files
 from . import labelled
 from .data_bench import add_bench_parser
-from ..utils.argtypes import FRACTION, NONNEG_INT, OPEN_FRACTION, POSITIVE_FLOAT, POSITIVE_INT, int_range
+from ..utils.argtypes import (FRACTION, NONNEG_INT, OPEN_FRACTION, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT,
+                              int_range)
 
 
 def add_parser(sub) -> None:
@@ -84,7 +85,7 @@ def add_programs_parser(group) -> None:
     q.add_argument("--test-rows", type=POSITIVE_INT, default=1000, metavar="M", help="held-out programs (default: 1000)")
     q.add_argument("--test-statements", type=POSITIVE_INT, default=None, metavar="N",
                    help="statements per test program (default: --statements; more tests beyond the training length)")
-    q.add_argument("--print-fraction", type=FRACTION, default=0.2, metavar="X",
+    q.add_argument("--print-fraction", type=POSITIVE_FRACTION, default=0.2, metavar="X",
                    help="probability that a statement after the opening assignments is a print; the others are "
                         "=, ++, -- and if with equal probability; the last is always a print (default: 0.2)")
     q.add_argument("--if-true", type=FRACTION, default=0.5, metavar="X",
