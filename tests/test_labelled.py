@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from fullband import cli
 from fullband.data.corpus import load_tokenizer
+from fullband.data.labelled import load_labelled
 from fullband.model.modeling import load_model
 from fullband.training.config import TrainConfig
 from fullband.training.pretrain import build_model
@@ -108,6 +109,39 @@ def test_trains_and_scores_per_mode_beyond_training_lengths(trained, tmp_path, c
         # learned: a label layout one position off would leave chance (1/8)
         assert acc["estimate"] > 0.9 and acc["low"] <= acc["estimate"] <= acc["high"]
     assert by_mode["passes"]["num_passes"] == 2 and by_mode["soft"]["by_position"][0]["position"] == 3
+
+
+def test_validation_split_is_by_row_content(tmp_path, capsys):
+    """A file whose rows repeat: no validation input is a training input (compared as token tuples, not by the
+    package's key), every copy of a row lands in one split, the split is the same twice over and for the prepared
+    directory, and the duplicate count (counted here) is in the manifest, prepare's output and the training log."""
+    distinct = identity_rows(30, 2, 4, seed=7)
+    rng = random.Random(1)
+    rows = [rng.choice(distinct) for _ in range(120)]
+    want_dup = len(rows) - len({tuple(r["input"]) for r in rows})
+    src = write_jsonl(tmp_path / "dup.jsonl", rows)
+
+    def splits(data):
+        words = {i: w for w, i in data.tokenizer.get_vocab().items()}
+        return [[tuple(words[int(t)] for t in rows_.row(i)[0][1:-1]) for i in range(len(rows_))]
+                for rows_ in (data.train, data.val)]
+
+    data = load_labelled(src, seed=0, val_fraction=0.3)
+    train, val = splits(data)
+    assert len(train) + len(val) == len(rows) and len(val) > 0 and len(train) > 0
+    assert not set(val) & set(train)
+    assert sorted(train + val) == sorted(tuple(r["input"]) for r in rows)  # every copy kept
+    assert data.info["duplicate_rows"] == want_dup > 0
+    again = load_labelled(src, seed=0, val_fraction=0.3)
+    assert again.fingerprint == data.fingerprint and splits(again) == [train, val]
+    capsys.readouterr()
+    prep = tmp_path / "prep"
+    assert cli.main(["data", "prepare", src, "--out", str(prep), "--val-fraction", "0.3"]) == 0
+    assert f"{want_dup} repeat an earlier row's inputs" in capsys.readouterr().out
+    prepared = load_labelled(str(prep))
+    assert prepared.info["duplicate_rows"] == want_dup and prepared.fingerprint == data.fingerprint
+    assert cli.main(train_args(src, tmp_path / "run", "--val-fraction", "0.3", steps=1)) == 0
+    assert f"{len(val)} val rows ({want_dup} rows of the file repeat" in capsys.readouterr().err
 
 
 def test_loss_is_only_at_the_targets(tmp_path):

@@ -147,11 +147,11 @@ def test_longer_test_programs(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--vars", "6"], "--vars must be in 1..5"),
+    (["--vars", "6"], "argument --vars: must be an integer in [1, 5]"),
     (["--vars", "3", "--statements", "3"], "--statements must be at least --vars + 1 = 4"),
-    (["--print-fraction", "0"], "--print-fraction must be in (0, 1]"),
-    (["--if-true", "1.5"], "--if-true must be in [0, 1]"),
-    (["--rows", "0"], "--rows and --test-rows must be >= 1"),
+    (["--print-fraction", "0"], "argument --print-fraction: must be a number in (0, 1]"),
+    (["--if-true", "1.5"], "argument --if-true: must be a number in [0, 1]"),
+    (["--rows", "0"], "argument --rows: must be an integer >= 1"),
     (["--test-statements", "2"], "--test-statements must be at least"),
     (["--vars", "1", "--statements", "2", "--test-rows", "500"], "cover (almost) every program"),
 ])

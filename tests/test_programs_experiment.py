@@ -327,7 +327,7 @@ def test_held_out_check_reads_the_rows_themselves(tmp_path):
     (["--test-statements", "12"], "the training length --statements 6 must be among them"),
     (["--test-statements", "6,3"], "--test-statements needs distinct integers >= 4"),
     (["--test-statements", "6,x"], "--test-statements takes comma-separated integers"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "argument --steps: must be an integer >= 1"),
     (["--hidden", "36", "--heads", "5"], "times an even head width"),
     (["--hidden", "30", "--heads", "2"], "times an even head width"),
     (["--arms", "baseline-L,baseline-L-flops"], "needs an FBT arm"),

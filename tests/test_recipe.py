@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import fullband
 from fullband import cli
+from fullband.training.hf_trainer import PassSchedule
 from fullband.training.optimizer import clip_gradients
 from fullband.utils.io import read_jsonl
 
@@ -186,6 +187,32 @@ def test_lambda_ramp_and_fusion_warmup_follow_the_feedback_phase(data, tmp_path)
     # the logged loss is L_1 + ramped lambda * L_2
     for r in recs[5:]:
         assert r["loss"] == pytest.approx(r["pass_losses"][0] + r["feedback_weight"] * r["pass_losses"][1], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", [("--exact-states", "--grad-passes", "2"), ("--full-backprop",)])
+def test_lambda_and_its_ramp_are_refused_where_they_do_nothing(data, tmp_path, capsys, mode):
+    """--exact-states / --full-backprop have no plain pass for λ to weigh: a λ or ramp away from the defaults is one
+    line, exit 2, nothing written (the trainer's PassSchedule refuses it too); at the defaults the logged λ is None
+    and the logged loss is what the step applied: the mean of the gradient passes."""
+    fb = ("--feedback-start", "0", "--deep-fraction", "0")
+    for bad in (("--feedback-weight", "0.5"), ("--feedback-ramp", "0.5")):
+        out = tmp_path / f"bad{bad[0]}"
+        capsys.readouterr()
+        assert cli.main(train_args(data, out, *fb, *mode, *bad, steps=1)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--feedback-weight and --feedback-ramp do not apply with " + mode[0] in err[0], err
+        assert not out.exists()
+    options = {"exact_states": True, "grad_passes": 2} if mode[0] == "--exact-states" else {"full_backprop": True}
+    with pytest.raises(ValueError, match="do not apply"):
+        PassSchedule(feedback_start=0.0, feedback_weight=0.5, **options)
+    assert PassSchedule(feedback_start=0.0, **options).weight_at(3, 10) is None
+    out = tmp_path / "run"
+    assert cli.main(train_args(data, out, *fb, *mode, "--feedback-ramp", "0", steps=2)) == 0
+    recs = train_records(out)
+    assert [r["feedback_weight"] for r in recs] == [None, None]
+    for r in recs:
+        assert len(r["pass_losses"]) == (2 if mode[0] == "--exact-states" else 1)
+        assert r["loss"] == pytest.approx(sum(r["pass_losses"]) / len(r["pass_losses"]), rel=1e-5)
 
 
 def test_fusion_only_phase_leaves_the_backbone_untouched(data, tmp_path):

@@ -78,10 +78,10 @@ def run(argv, capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--length-curriculum", "0"], "--length-curriculum is the fraction"),
-    (["--length-curriculum", "1.5"], "--length-curriculum is the fraction"),
+    (["--length-curriculum", "0"], "argument --length-curriculum: must be a number in (0, 1]"),
+    (["--length-curriculum", "1.5"], "argument --length-curriculum: must be a number in (0, 1]"),
     (["--length-curriculum", "0.5", "--curriculum-start", "9"], "--curriculum-start must be in 1..--length (4)"),
-    (["--length-curriculum", "0.5", "--curriculum-start", "0"], "--curriculum-start must be in 1..--length (4)"),
+    (["--length-curriculum", "0.5", "--curriculum-start", "0"], "argument --curriculum-start: must be an integer >= 1"),
 ])
 def test_bad_curriculum_options_are_one_line_errors(tmp_path, capsys, extra, message):
     out = tmp_path / "st"

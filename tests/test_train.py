@@ -345,13 +345,13 @@ def test_bad_values_and_missing_files_leave_checkpoints_untouched(data, finished
     (tmp_path / "broken.yaml").write_text("steps: [1, 2\n")
     (tmp_path / "empty").mkdir()
     cases = [
-        (["train", "--resume", "--out", finished, "--lr", "-1"], "--lr must be > 0"),
+        (["train", "--resume", "--out", finished, "--lr", "-1"], "argument --lr: must be a number > 0"),
         (["train", "--resume", "--out", finished, "--seq-len", "16"], "--seq-len differ"),
         (["train", "--resume", "--out", finished, "--batch-size", "3", "--grad-accum", "2"], "divisible"),
         (["train", "--resume", "--out", finished, "--prefix-mix", "0.1"], "precedes the feedback start"),
         (args(data, finished), "already holds a run"),
-        (args(data, finished, "--steps", "0"), "--steps must be >= 1"),
-        (args(data, finished, "--num-passes", "0"), "num_passes"),
+        (args(data, finished, "--steps", "0"), "argument --steps: must be an integer >= 1"),
+        (args(data, finished, "--num-passes", "0"), "argument --num-passes: must be an integer >= 1"),
         (args(data, finished, "--prefix-mix", "1.5"), "--prefix-mix"),
         (args(data, finished, "--lr-schedule", "linear"), "--lr-schedule"),
         (args(data, finished, "--preset", "huge"), "unknown preset"),

@@ -2,7 +2,8 @@
 
 Every command module exposes ``add_parser(subparsers)``, which registers its sub-command and sets
 ``func`` (called with the parsed arguments; returns an exit code). Errors a user can fix (``ValueError``,
-``FileNotFoundError``, :class:`UsageError`) print one line and exit with code 2.
+``FileNotFoundError``, :class:`UsageError`) print one line and exit with code 2; so does a bad option (argparse,
+:class:`Parser`: a numeric option out of the range of its :mod:`fullband.utils.argtypes` type among them).
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ COMMAND_MODULES = [
 
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): ``fullband train: error: argument --batch-size: must
+    be an integer >= 1, got '0'``, exit 2; the sub-commands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fullband",
         description="Full-bandwidth transformer: latent feedback on Hugging Face causal LMs.",
     )
@@ -48,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code == 2:  # a bad option: its one line is printed; an exit code as every user error's
+            return 2
+        raise  # --help, --version
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0

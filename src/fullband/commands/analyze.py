@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from ..analysis.report import DEFAULT_OUT, AnalyzeOptions, run_analysis
+from ..utils.argtypes import NONNEG_INT, POSITIVE_INT, int_at_least
 
 
 def run(args) -> int:
@@ -29,12 +30,12 @@ def add_parser(sub) -> None:
     p.add_argument("--data", help="held-out text: file, folder, .jsonl or datasets directory, all of whose documents "
                                   "are used (default: the embedded corpus's validation documents)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory's)")
-    p.add_argument("--seq-len", type=int, default=128, help="row length in tokens (default 128)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens analyzed, in rows spread over the text (default 8192)")
-    p.add_argument("--batch-size", type=int, default=32, help="rows per forward (default 32)")
-    p.add_argument("--num-passes", type=int, default=2,
+    p.add_argument("--seq-len", type=int_at_least(2), default=128, help="row length in tokens (default 128)")
+    p.add_argument("--max-tokens", type=POSITIVE_INT, default=8192, help="tokens analyzed, in rows spread over the text (default 8192)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=32, help="rows per forward (default 32)")
+    p.add_argument("--num-passes", type=NONNEG_INT, default=2,
                    help="K of the K-pass load-bearing measurements (default 2; 0 or 1 skips them)")
-    p.add_argument("--probe-samples", type=int, default=4000, help="positions used by the probes (default 4000)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the shuffles and samples (default 0)")
+    p.add_argument("--probe-samples", type=POSITIVE_INT, default=4000, help="positions used by the probes (default 4000)")
+    p.add_argument("--seed", type=NONNEG_INT, default=0, help="seed of the shuffles and samples (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default {DEFAULT_OUT})")
     p.set_defaults(func=run)

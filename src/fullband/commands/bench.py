@@ -21,6 +21,7 @@ from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` 
 from ..utils.errors import UsageError
 from .bench_decode import benchmark_decode, parse_size, print_report
 from .bench_train import benchmark_train, format_benchmark
+from ..utils.argtypes import NONNEG_INT, POSITIVE_INT
 
 DECODE_DESCRIPTION = (
     "Tokens/s of the decode modes (standard, soft, fused, exact) for our lean loop and Hugging Face generate(), "
@@ -70,19 +71,19 @@ def _add_decode(sub) -> None:
     p.add_argument("--sizes", type=_csv(str), default=["tiny", "small"],
                    help="comma list: tiny (d256 L4), small (d768 L12, GPT-2 small) or d<width>l<layers>")
     p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2", help="backbone architecture")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: gpt2 50257, llama 32000)")
+    p.add_argument("--vocab", type=POSITIVE_INT, default=None, help="vocabulary size (default: gpt2 50257, llama 32000)")
     p.add_argument("--batch-sizes", type=_csv(int), default=[1, 16])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes of the 'fused' mode")
+    p.add_argument("--new-tokens", type=POSITIVE_INT, default=64)
+    p.add_argument("--prompt-len", type=POSITIVE_INT, default=32)
+    p.add_argument("--prefill-passes", type=POSITIVE_INT, default=1, help="Jacobi passes of the 'fused' mode")
     p.add_argument("--modes", type=_csv(str), default=list(MODES))
     p.add_argument("--loops", type=_csv(str), default=["lean", "hf"], help="lean (our loop) and/or hf (generate())")
     p.add_argument("--cache", choices=("auto", "static", "dynamic"), default="auto",
                    help="KV cache of the lean loop")
-    p.add_argument("--repeats", type=int, default=5,
+    p.add_argument("--repeats", type=POSITIVE_INT, default=5,
                    help="timed rounds after one warm-up round; the runs of a round are interleaved and the best "
                         "round counts")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=NONNEG_INT, default=0, help="CPU threads (0 = torch default)")
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="what tokens/s are measured in: wall-clock, or this process's CPU time (immune to other "
                         "processes on a shared machine; only meaningful single-threaded on CPU); auto = cpu when "
@@ -106,30 +107,30 @@ def _add_train(sub) -> None:
                        description=_add_train.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--preset", default="tiny", help="model size preset (tiny, small, gpt2-small)")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per step")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
-    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size of the random model")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per case (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per case first")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16, help="rows per step")
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=256, help="tokens per row")
+    p.add_argument("--vocab-size", type=POSITIVE_INT, default=4096, help="vocabulary size of the random model")
+    p.add_argument("--steps", type=POSITIVE_INT, default=5, help="timed steps per case (median reported)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=2, help="untimed steps per case first")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="auto: bf16 autocast on a GPU that supports it, else fp32")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=NONNEG_INT, default=0, help="CPU threads (0 = torch default)")
     p.add_argument("--compile", action="store_true", help="also K1_compile and K2_compile (fullband train --compile)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="also K2_ac (fullband train --activation-checkpointing)")
-    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
+    p.add_argument("--loss-chunk", type=NONNEG_INT, default=0, metavar="N",
                    help="also K2_chunk, the loss N positions at a time (fullband train --loss-chunk N)")
     p.add_argument("--memory", action="store_true",
                    help="measure each case's peak memory of a step (Linux) instead of its time")
-    p.add_argument("--exact", type=int, default=0, metavar="N",
+    p.add_argument("--exact", type=NONNEG_INT, default=0, metavar="N",
                    help="also exact_gN: the exact states (token by token, no gradient) then N gradient passes "
                         "(fullband train --exact-states --grad-passes N), with its training FLOPs per step vs K1")
     p.add_argument("--exact-reference", action="store_true",
                    help="with --exact N: also KT1_gN, K = seq-len + 1 teacher-forced passes with --grad-passes N "
                         "(the O(T^2) form it replaces; slow at long rows); with --full-backprop also KT1_full, "
                         "K = seq-len + 1 passes all with gradient")
-    p.add_argument("--full-backprop", type=int, action="append", default=None, metavar="C",
+    p.add_argument("--full-backprop", type=NONNEG_INT, action="append", default=None, metavar="C",
                    help="also full_cC: full backpropagation through the token-by-token recurrence in blocks of C "
                         "tokens (fullband train --full-backprop --backprop-chunk C; 0: no recomputation); repeatable")
     p.set_defaults(func=_run)

@@ -16,6 +16,8 @@ from ..data.prepare import prepare
 from ..eval.program_tasks import VARIABLES, write_program_files
 from . import labelled
 from .data_bench import add_bench_parser
+from ..utils.argtypes import (FRACTION, NONNEG_INT, OPEN_FRACTION, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT,
+                              int_range)
 
 
 def add_parser(sub) -> None:
@@ -37,27 +39,27 @@ def add_parser(sub) -> None:
     q.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="local HF tokenizer directory (default: train a byte-level BPE on a sample of the training "
                         "documents)")
-    q.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+    q.add_argument("--vocab-size", type=POSITIVE_INT, default=4096, metavar="N",
                    help="size of a BPE trained here (default: 4096)")
-    q.add_argument("--tokenizer-sample-mb", type=float, default=64.0, metavar="X",
+    q.add_argument("--tokenizer-sample-mb", type=POSITIVE_FLOAT, default=64.0, metavar="X",
                    help="MB of training text the BPE is trained on, from the start (default: 64)")
-    q.add_argument("--val-fraction", type=float, default=0.1, metavar="X",
+    q.add_argument("--val-fraction", type=OPEN_FRACTION, default=0.1, metavar="X",
                    help="expected fraction of documents held out, chosen per document by a hash (default: 0.1)")
-    q.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the split (default: 0)")
-    q.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default: 1)")
-    q.add_argument("--shard-mb", type=float, default=32.0, metavar="X",
+    q.add_argument("--seed", type=NONNEG_INT, default=0, metavar="N", help="seed of the split (default: 0)")
+    q.add_argument("--workers", type=POSITIVE_INT, default=1, metavar="N", help="tokenizing processes (default: 1)")
+    q.add_argument("--shard-mb", type=POSITIVE_FLOAT, default=32.0, metavar="X",
                    help="MB of text per shard: the unit of work, of memory per worker and of resuming (default: 32)")
-    q.add_argument("--piece-mb", type=float, default=1.0, metavar="X",
+    q.add_argument("--piece-mb", type=POSITIVE_FLOAT, default=1.0, metavar="X",
                    help="MB of one document read and tokenized at once: a longer document (a whole .txt file is "
                         "one) is streamed in pieces cut at a space or newline between words (default: 1)")
     q.add_argument("--overwrite", action="store_true", help="replace prepared data of other settings in DIR")
     q.add_argument("--labelled", action="store_true",
                    help="SRC is a .jsonl of labelled rows (detected when its first row has 'input' and 'target'): "
                         "write token and target ids per row, the word-level vocabulary and a manifest (--val-fraction "
-                        "and --seed split per row). " + labelled.FORMAT_HELP)
+                        "and --seed split by row content: equal rows share a split). " + labelled.FORMAT_HELP)
     q.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     q.add_argument("--json", action="store_true", help="print the manifest and this run's throughput as JSON")
-    q.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)  # tests: a killed run
+    q.add_argument("--stop-after-shards", type=POSITIVE_INT, default=None, help=argparse.SUPPRESS)  # tests: a killed run
     q.set_defaults(func=run_prepare)
     add_programs_parser(group)
     add_bench_parser(group)
@@ -75,20 +77,20 @@ def add_programs_parser(group) -> None:
                     "`fullband train --data DIR/train.jsonl` and `fullband eval labelled MODEL --data "
                     "DIR/test.jsonl`. Seeded: the same command writes the same files.")
     q.add_argument("--out", required=True, metavar="DIR", help="directory of the files")
-    q.add_argument("--vars", type=int, default=3, metavar="V",
+    q.add_argument("--vars", type=int_range(1, len(VARIABLES)), default=3, metavar="V",
                    help=f"variables, 1..{len(VARIABLES)} (the paper: 3 and 5; default: 3)")
-    q.add_argument("--statements", type=int, default=100, metavar="N",
+    q.add_argument("--statements", type=POSITIVE_INT, default=100, metavar="N",
                    help="statements per training program, the opening assignments included (default: 100)")
-    q.add_argument("--rows", type=int, required=True, metavar="N", help="training programs")
-    q.add_argument("--test-rows", type=int, default=1000, metavar="M", help="held-out programs (default: 1000)")
-    q.add_argument("--test-statements", type=int, default=None, metavar="N",
+    q.add_argument("--rows", type=POSITIVE_INT, required=True, metavar="N", help="training programs")
+    q.add_argument("--test-rows", type=POSITIVE_INT, default=1000, metavar="M", help="held-out programs (default: 1000)")
+    q.add_argument("--test-statements", type=POSITIVE_INT, default=None, metavar="N",
                    help="statements per test program (default: --statements; more tests beyond the training length)")
-    q.add_argument("--print-fraction", type=float, default=0.2, metavar="X",
+    q.add_argument("--print-fraction", type=POSITIVE_FRACTION, default=0.2, metavar="X",
                    help="probability that a statement after the opening assignments is a print; the others are "
                         "=, ++, -- and if with equal probability; the last is always a print (default: 0.2)")
-    q.add_argument("--if-true", type=float, default=0.5, metavar="X",
+    q.add_argument("--if-true", type=FRACTION, default=0.5, metavar="X",
                    help="probability that a conditional's test holds (default: 0.5)")
-    q.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the programs (default: 0)")
+    q.add_argument("--seed", type=NONNEG_INT, default=0, metavar="N", help="seed of the programs (default: 0)")
     q.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in DIR")
     q.add_argument("--json", action="store_true", help="print DIR/programs.json (settings and counts)")
     q.set_defaults(func=run_make_programs)

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ..utils.io import atomic_write_text
+from ..utils.argtypes import POSITIVE_FLOAT, POSITIVE_INT
 
 SEED = 0  # the synthetic corpus
 # the prepare's peak memory (the tree's PSS) below 1.5 GB at any corpus size; training start-up on the prepared
@@ -35,14 +36,14 @@ BARS = {"prepare_peak_mb": 1500.0, "train_wall_ratio": 1.10, "train_rss_mb_delta
 def add_bench_parser(group) -> None:
     b = group.add_parser("bench", help="benchmark: prepare a synthetic corpus, then training start-up on it (JSON)",
                          description=__doc__.split("\n\n")[1])
-    b.add_argument("--gb", type=float, default=2.0, help="size of the synthetic jsonl corpus in GB (default: 2)")
-    b.add_argument("--workers", type=int, default=2, help="prepare workers (default: 2)")
+    b.add_argument("--gb", type=POSITIVE_FLOAT, default=2.0, help="size of the synthetic jsonl corpus in GB (default: 2)")
+    b.add_argument("--workers", type=POSITIVE_INT, default=2, help="prepare workers (default: 2)")
     b.add_argument("--workdir", default="/tmp/fullband-data-bench", help="where the corpus and outputs go")
     b.add_argument("--txt", action="store_true",
                    help="write the corpus as one .txt file: a single document of --gb GB (one line per jsonl document)")
-    b.add_argument("--tokenizer-sample-mb", type=float, default=64.0, help="BPE training sample (default: 64)")
-    b.add_argument("--shard-mb", type=float, default=32.0, help="prepare --shard-mb (default: 32)")
-    b.add_argument("--piece-mb", type=float, default=1.0, help="prepare --piece-mb (default: 1)")
+    b.add_argument("--tokenizer-sample-mb", type=POSITIVE_FLOAT, default=64.0, help="BPE training sample (default: 64)")
+    b.add_argument("--shard-mb", type=POSITIVE_FLOAT, default=32.0, help="prepare --shard-mb (default: 32)")
+    b.add_argument("--piece-mb", type=POSITIVE_FLOAT, default=1.0, help="prepare --piece-mb (default: 1)")
     b.add_argument("--skip-train", action="store_true", help="measure the prepare only")
     b.add_argument("--keep", action="store_true", help="keep the generated files")
     b.add_argument("--out-json", default=None, metavar="FILE", help="also write the result here")

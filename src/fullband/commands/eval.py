@@ -14,6 +14,7 @@ from ..eval.scoring import (
 )
 from ..utils.errors import UsageError
 from .labelled import add_eval_parser
+from ..utils.argtypes import NONNEG_INT, OPEN_FRACTION, POSITIVE_INT
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -67,15 +68,15 @@ def add_parser(sub) -> None:
                         "embedded corpus)")
     p.add_argument("--split", default="val", choices=["val", "train", "all"],
                    help="which documents of --data to score (default: val, the training split's held-out part)")
-    p.add_argument("--seed", type=int, default=None, help="document-split seed (default: the training run's, else 0)")
-    p.add_argument("--val-fraction", type=float, default=None,
+    p.add_argument("--seed", type=NONNEG_INT, default=None, help="document-split seed (default: the training run's, else 0)")
+    p.add_argument("--val-fraction", type=OPEN_FRACTION, default=None,
                    help="validation fraction (default: the training run's, else 0.1)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per packed row (default: the training run's, "
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=None, help="tokens per packed row (default: the training run's, "
                                                              "else 256)")
-    p.add_argument("--max-rows", type=int, default=None, help="score only the first N rows (default: all)")
+    p.add_argument("--max-rows", type=POSITIVE_INT, default=None, help="score only the first N rows (default: all)")
     p.add_argument("--passes", default="2,3,4", help="K values for the multi-pass forward (default 2,3,4)")
     p.add_argument("--no-exact", action="store_true", help="skip the (slow, token-by-token) exact recurrence")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="load the weights in this dtype (default: as saved)")

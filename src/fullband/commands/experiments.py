@@ -31,6 +31,7 @@ import dataclasses
 from ..experiments import data_efficiency, depth, programs, reasoning, recipe, state
 from ..experiments.common import RECIPE
 from ..training.config import TrainConfig
+from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT
 
 
 def add_overwrite_argument(p) -> None:
@@ -45,7 +46,7 @@ def add_recipe_arguments(p) -> None:
     for flag, field, typ in RECIPE:
         meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[field]
         shown = getattr(defaults, field)
-        g.add_argument(flag, dest=field, type=typ, default=None,
+        g.add_argument(flag, dest=field, type=meta["arg"] if typ in (int, float) else typ, default=None,
                        help=f"{meta['help']} (default: {shown if shown is not None else 'the preset’s'})")
     g.add_argument("--detach-state", action="store_true", help="stop gradients through the fed-back state")
     g.add_argument("--set", dest="settings", action="append", metavar="NAME=VALUE", default=None,
@@ -57,18 +58,18 @@ def add_common_arguments(p, defaults: dict) -> None:
     add_overwrite_argument(p)
     p.add_argument("--preset", default=defaults["preset"],
                    help="model size preset (micro, tiny, small, gpt2-small) (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=defaults["steps"],
+    p.add_argument("--steps", type=POSITIVE_INT, default=defaults["steps"],
                    help="optimizer steps per model (data-efficiency: of the FBT run, the 1.0x budget) "
                         "(default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=POSITIVE_INT, default=None,
                    help="training tokens per model (data-efficiency: of the FBT run) instead of --steps (rounded "
                         "up to whole steps)")
-    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=defaults["batch_size"],
                    help="rows per step (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="tokens per row (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=defaults["vocab_size"],
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=defaults["seq_len"], help="tokens per row (default: %(default)s)")
+    p.add_argument("--vocab-size", type=POSITIVE_INT, default=defaults["vocab_size"],
                    help="BPE vocabulary size (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=NONNEG_INT, default=0,
                    help="seed of init, split, data order (shared by every run) (default: %(default)s)")
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT run from scratch instead of branching it off the 1.0x baseline at the "
@@ -91,13 +92,13 @@ def add_model_arguments(r, defaults: dict) -> None:
     ``defaults``."""
     r.add_argument("--out", default=defaults["out"], help="output directory (default: %(default)s)")
     add_overwrite_argument(r)
-    r.add_argument("--layers", type=int, default=defaults["layers"], help="L (default: %(default)s)")
-    r.add_argument("--hidden", type=int, default=defaults["hidden"], help="model width (default: %(default)s)")
-    r.add_argument("--heads", type=int, default=defaults["heads"], help="attention heads (default: %(default)s)")
-    r.add_argument("--steps", type=int, default=defaults["steps"], help="steps per arm (default: %(default)s)")
-    r.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+    r.add_argument("--layers", type=POSITIVE_INT, default=defaults["layers"], help="L (default: %(default)s)")
+    r.add_argument("--hidden", type=POSITIVE_INT, default=defaults["hidden"], help="model width (default: %(default)s)")
+    r.add_argument("--heads", type=POSITIVE_INT, default=defaults["heads"], help="attention heads (default: %(default)s)")
+    r.add_argument("--steps", type=POSITIVE_INT, default=defaults["steps"], help="steps per arm (default: %(default)s)")
+    r.add_argument("--batch-size", type=POSITIVE_INT, default=defaults["batch_size"],
                    help="rows per step (default: %(default)s)")
-    r.add_argument("--lr", type=float, default=defaults["lr"], help="peak LR (default: %(default)s)")
+    r.add_argument("--lr", type=POSITIVE_FLOAT, default=defaults["lr"], help="peak LR (default: %(default)s)")
 
 
 def add_run_arguments(r, defaults: dict, kept: str) -> None:
@@ -108,9 +109,9 @@ def add_run_arguments(r, defaults: dict, kept: str) -> None:
         r.add_argument("--seeds", default=None,
                        help="comma-separated training seeds, each a run of its own in OUT/seed{N}/ (a later "
                             f"invocation with more seeds trains only the new ones) (default: {defaults['seeds']})")
-        r.add_argument("--seed", type=int, default=None, help="one seed: the same as --seeds N")
+        r.add_argument("--seed", type=NONNEG_INT, default=None, help="one seed: the same as --seeds N")
     else:
-        r.add_argument("--seed", type=int, default=defaults["seed"], help="seed (default: %(default)s)")
+        r.add_argument("--seed", type=NONNEG_INT, default=defaults["seed"], help="seed (default: %(default)s)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda")
     r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
     r.add_argument("--json", action="store_true", help=f"print the results as JSON ({kept} lists in results.json)")
@@ -127,26 +128,26 @@ def add_recipe_parser(ex) -> None:
     add_overwrite_argument(r)
     r.add_argument("--preset", default=recipe.DEFAULTS["preset"], help="backbone size preset (default: tiny; small / "
                                                                 "gpt2-small with --device cuda)")
-    r.add_argument("--trunk-steps", type=int, default=recipe.DEFAULTS["trunk_steps"], help="plain trunk steps per seed")
-    r.add_argument("--branch-steps", type=int, default=recipe.DEFAULTS["branch_steps"], help="steps of every arm")
-    r.add_argument("--batch-size", type=int, default=recipe.DEFAULTS["batch_size"], help="rows per step")
-    r.add_argument("--seq-len", type=int, default=recipe.DEFAULTS["seq_len"], help="tokens per row")
-    r.add_argument("--vocab-size", type=int, default=recipe.DEFAULTS["vocab_size"], help="BPE entries")
-    r.add_argument("--lr", type=float, default=None, help="peak LR (default: the preset's)")
+    r.add_argument("--trunk-steps", type=POSITIVE_INT, default=recipe.DEFAULTS["trunk_steps"], help="plain trunk steps per seed")
+    r.add_argument("--branch-steps", type=POSITIVE_INT, default=recipe.DEFAULTS["branch_steps"], help="steps of every arm")
+    r.add_argument("--batch-size", type=POSITIVE_INT, default=recipe.DEFAULTS["batch_size"], help="rows per step")
+    r.add_argument("--seq-len", type=POSITIVE_INT, default=recipe.DEFAULTS["seq_len"], help="tokens per row")
+    r.add_argument("--vocab-size", type=POSITIVE_INT, default=recipe.DEFAULTS["vocab_size"], help="BPE entries")
+    r.add_argument("--lr", type=POSITIVE_FLOAT, default=None, help="peak LR (default: the preset's)")
     r.add_argument("--seeds", default=recipe.DEFAULTS["seeds"], help="comma-separated seeds (default: 0,1)")
     r.add_argument("--arms", default=None,
                    help="comma-separated arms (default: the branched grid but concat-warm; each arm's baselines are "
                         "added); one of " + ", ".join(recipe.ARM_BY_NAME))
-    r.add_argument("--flops-multiplier", type=float, default=recipe.DEFAULTS["flops_multiplier"],
+    r.add_argument("--flops-multiplier", type=POSITIVE_FLOAT, default=recipe.DEFAULTS["flops_multiplier"],
                    help="steps of the FLOP-matched baselines of the branched arms (baseline-flops, reading further; "
                         "baseline-epochs, re-reading the branch's batches) as a multiple of --branch-steps (their "
                         "FLOPs bound the equal-FLOPs comparisons; an arm costlier than that is reported out of range)")
-    r.add_argument("--scratch-flops-multiplier", type=float, default=recipe.DEFAULTS["scratch_flops_multiplier"],
+    r.add_argument("--scratch-flops-multiplier", type=POSITIVE_FLOAT, default=recipe.DEFAULTS["scratch_flops_multiplier"],
                    help="steps of the FLOP-matched baselines of the arms from scratch (baseline-scratch-flops, "
                         "baseline-tied-flops and their -epochs twins) as a multiple of --trunk-steps + --branch-steps (default 3.1: above "
                         "K=3 on every step, 3 passes + 2 fusions)")
-    r.add_argument("--eval-rows", type=int, default=recipe.DEFAULTS["eval_rows"], help="held-out rows scored")
-    r.add_argument("--prompt-tokens", type=int, default=recipe.DEFAULTS["prompt_tokens"],
+    r.add_argument("--eval-rows", type=POSITIVE_INT, default=recipe.DEFAULTS["eval_rows"], help="held-out rows scored")
+    r.add_argument("--prompt-tokens", type=NONNEG_INT, default=recipe.DEFAULTS["prompt_tokens"],
                    help="prompt length before the scored continuation of each row")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda")
     r.add_argument("--quick", action="store_true", help="a smoke-test size (micro preset, a few steps)")
@@ -164,10 +165,10 @@ def add_depth_parser(ex) -> None:
     add_model_arguments(r, depth.DEFAULTS)
     r.add_argument("--tasks", default=depth.DEFAULTS["tasks"], help="comma-separated: pointer, compose, modsum "
                                                               "(default: %(default)s)")
-    r.add_argument("--max-k", type=int, default=depth.DEFAULTS["max_k"], help="largest k (default: %(default)s)")
-    r.add_argument("--max-think", type=int, default=depth.DEFAULTS["max_think"],
+    r.add_argument("--max-k", type=POSITIVE_INT, default=depth.DEFAULTS["max_k"], help="largest k (default: %(default)s)")
+    r.add_argument("--max-think", type=NONNEG_INT, default=depth.DEFAULTS["max_think"],
                    help="most think positions in training; tested at 0 and at this (default: %(default)s)")
-    r.add_argument("--test-per-cell", type=int, default=depth.DEFAULTS["test_per_cell"],
+    r.add_argument("--test-per-cell", type=POSITIVE_INT, default=depth.DEFAULTS["test_per_cell"],
                    help="test problems per (task, k, think) (default: %(default)s)")
     r.add_argument("--pointer-cycle", action="store_true",
                    help="pointer chasing over a single n-cycle (the start symbol is never the answer for k < n)")
@@ -186,11 +187,11 @@ def add_state_parser(ex) -> None:
     add_model_arguments(r, state.DEFAULTS)
     r.add_argument("--tasks", default=state.DEFAULTS["tasks"],
                    help="comma-separated: s3, s5, parity, vars (default: %(default)s)")
-    r.add_argument("--length", type=int, default=state.DEFAULTS["length"],
+    r.add_argument("--length", type=POSITIVE_INT, default=state.DEFAULTS["length"],
                    help="T, inputs per training row; tested at T, 2T, 4T (default: %(default)s)")
-    r.add_argument("--test-rows", type=int, default=state.DEFAULTS["test_rows"],
+    r.add_argument("--test-rows", type=POSITIVE_INT, default=state.DEFAULTS["test_rows"],
                    help="test rows per task and length (default: %(default)s)")
-    r.add_argument("--pass-tol", type=float, default=state.DEFAULTS["pass_tol"],
+    r.add_argument("--pass-tol", type=NONNEG_FLOAT, default=state.DEFAULTS["pass_tol"],
                    help="the early-stop tolerance of the fbt-L-glu-tol arm and the cost table (default: %(default)s)")
     r.add_argument("--arms", default=None,
                    help=f"comma-separated arms (default: {','.join(state.DEFAULT_ARMS)}); also "
@@ -210,16 +211,16 @@ def add_programs_parser(ex) -> None:
                       description=programs.__doc__.split("\n\n", 1)[1],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(r, d)
-    r.add_argument("--vars", type=int, default=d["vars"], help="variables, 1..5 (the paper: 3 and 5) (default: "
+    r.add_argument("--vars", type=POSITIVE_INT, default=d["vars"], help="variables, 1..5 (the paper: 3 and 5) (default: "
                                                                "%(default)s)")
-    r.add_argument("--statements", type=int, default=d["statements"], metavar="N",
+    r.add_argument("--statements", type=POSITIVE_INT, default=d["statements"], metavar="N",
                    help="statements per training program, the opening assignments included (default: %(default)s)")
     r.add_argument("--test-statements", default=d["test_statements"], metavar="N,..",
                    help="comma-separated statements per test program, N among them (default: N,2N: length "
                         "generalisation)")
-    r.add_argument("--rows", type=int, default=d["rows"],
+    r.add_argument("--rows", type=POSITIVE_INT, default=d["rows"],
                    help="training programs per seed (default: --steps x --batch-size: each read once)")
-    r.add_argument("--test-rows", type=int, default=d["test_rows"],
+    r.add_argument("--test-rows", type=POSITIVE_INT, default=d["test_rows"],
                    help="test programs per length and seed (default: %(default)s)")
     r.add_argument("--arms", default=None,
                    help=f"comma-separated arms (default: {','.join(programs.DEFAULT_ARMS)}); also "
@@ -241,11 +242,11 @@ def add_reasoning_parser(ex) -> None:
     r.add_argument("--task-option", action="append", metavar="NAME=VALUE", default=None,
                    help="generator option, e.g. num_ops=2,4 or max_operand=9 (repeatable); arithmetic defaults to "
                         f"{reasoning.TASK_DEFAULTS['arithmetic']}, s3 to {reasoning.TASK_DEFAULTS['s3']}")
-    r.add_argument("--train-problems", type=int, default=reasoning.RS_DEFAULTS["train_problems"],
+    r.add_argument("--train-problems", type=POSITIVE_INT, default=reasoning.RS_DEFAULTS["train_problems"],
                    help="training problems (default: %(default)s)")
-    r.add_argument("--test-problems", type=int, default=reasoning.RS_DEFAULTS["test_problems"],
+    r.add_argument("--test-problems", type=POSITIVE_INT, default=reasoning.RS_DEFAULTS["test_problems"],
                    help="held-out problems decoded (default: %(default)s)")
-    r.add_argument("--num-seeds", type=int, default=reasoning.RS_DEFAULTS["num_seeds"],
+    r.add_argument("--num-seeds", type=POSITIVE_INT, default=reasoning.RS_DEFAULTS["num_seeds"],
                    help="training seeds --seed, --seed+1, ... (default: %(default)s)")
     r.add_argument("--verbosity-mix", default=reasoning.RS_DEFAULTS["verbosity_mix"],
                    help="weights of the training verbosities (default: %(default)s)")
@@ -262,19 +263,19 @@ def add_reasoning_parser(ex) -> None:
                    help="FBT's training: default (`fullband train`'s recipe, K <= 3 passes) or exact (the whole "
                         "recurrence at linear cost on every step: exact states then 2 gradient passes; recipe flags "
                         "and --set still win) (default: %(default)s)")
-    r.add_argument("--pause-tokens", type=int, default=reasoning.RS_DEFAULTS["pause_tokens"], metavar="N",
+    r.add_argument("--pause-tokens", type=NONNEG_INT, default=reasoning.RS_DEFAULTS["pause_tokens"], metavar="N",
                    help="the pause-token control (baseline-pause, trained for FBT's FLOPs): N filler tokens after "
                         "every prompt; default: the held-out prompts' mean length (what fused mode's extra prompt "
                         "pass costs); 0: no pause control")
-    r.add_argument("--internalize-stages", type=int, default=reasoning.RS_DEFAULTS["internalize_stages"],
+    r.add_argument("--internalize-stages", type=NONNEG_INT, default=reasoning.RS_DEFAULTS["internalize_stages"],
                    metavar="S", help="the stepwise-internalization control (baseline-internalized, FBT's FLOPs "
                                      "over S + 1 chained stages, stage j trained with the first j/S of each "
                                      "trace's steps removed); 0: none (default: %(default)s)")
-    r.add_argument("--max-new-tokens", type=int, default=reasoning.RS_DEFAULTS["max_new_tokens"],
+    r.add_argument("--max-new-tokens", type=POSITIVE_INT, default=reasoning.RS_DEFAULTS["max_new_tokens"],
                    help="longest completion (default: %(default)s)")
-    r.add_argument("--gen-batch-size", type=int, default=reasoning.RS_DEFAULTS["gen_batch_size"],
+    r.add_argument("--gen-batch-size", type=POSITIVE_INT, default=reasoning.RS_DEFAULTS["gen_batch_size"],
                    help="problems decoded together (default: %(default)s)")
-    r.add_argument("--bootstrap", type=int, default=reasoning.RS_DEFAULTS["bootstrap"],
+    r.add_argument("--bootstrap", type=POSITIVE_INT, default=reasoning.RS_DEFAULTS["bootstrap"],
                    help="bootstrap resamples (default: %(default)s)")
     r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
     r.add_argument("--json", action="store_true", help="print the results as JSON (per-problem records in "
@@ -296,7 +297,7 @@ def add_data_efficiency_parser(ex) -> None:
     d.add_argument("--multipliers", default=defaults["multipliers"],
                    help="baseline token budgets as multiples of the FBT run's (must include 1) (default: "
                         f"{defaults['multipliers']})")
-    d.add_argument("--eval-rows", type=int, default=defaults["eval_rows"],
+    d.add_argument("--eval-rows", type=POSITIVE_INT, default=defaults["eval_rows"],
                    help=f"held-out rows evaluated, the same for every run (default: {defaults['eval_rows']})")
     add_recipe_arguments(d)
     d.set_defaults(func=lambda args: (data_efficiency.run_data_efficiency(args), 0)[1])

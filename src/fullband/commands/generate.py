@@ -14,6 +14,7 @@ from ..model.configuration import has_feedback
 from ..model.generation import MODES, generate
 from ..model.modeling import load_model
 from ..utils.errors import UsageError
+from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT
 
 
 def run(args) -> int:
@@ -71,12 +72,12 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="decode mode (default: the model's config.default_feedback_mode)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes over the prompt in 'fused' mode")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
+    p.add_argument("--prefill-passes", type=POSITIVE_INT, default=1, help="Jacobi passes over the prompt in 'fused' mode")
+    p.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--top-k", type=NONNEG_INT, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=POSITIVE_FRACTION, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=NONNEG_INT, default=None, help="seed for sampling")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when this text has been generated (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
@@ -84,5 +85,5 @@ def add_parser(sub) -> None:
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=NONNEG_INT, default=0, help="CPU threads (0 = torch default)")
     p.set_defaults(func=run)

@@ -20,6 +20,7 @@ from ..eval.scoring import load_any_model
 from ..model.configuration import has_feedback
 from ..utils.errors import UsageError
 from ..utils.io import atomic_write_json
+from ..utils.argtypes import NONNEG_INT, POSITIVE_INT
 
 FORMAT_HELP = (f"Labelled rows: {ROW_FORMAT}; null or '_' = no target at that position. The model at the position "
                "of input t predicts target t.")
@@ -36,8 +37,9 @@ def run_prepare(args) -> int:
         return 0
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     print(f"fullband data prepare: {tr['rows'] + va['rows']:,} labelled rows (train {tr['rows']:,}, val "
-          f"{va['rows']:,}), vocabulary {manifest['vocab_size']}, longest row {max(tr['max_length'], va['max_length'])} "
-          f"inputs; {args.out}")
+          f"{va['rows']:,}; {manifest['duplicate_rows']:,} repeat an earlier row's inputs, split by content), "
+          f"vocabulary {manifest['vocab_size']}, longest row {max(tr['max_length'], va['max_length'])} inputs; "
+          f"{args.out}")
     return 0
 
 
@@ -163,14 +165,14 @@ def add_eval_parser(group) -> None:
                    help=f"comma-separated modes of {', '.join(MODES)} (default: standard,passes,exact, plus "
                         "soft,fused with --prompt-tokens; standard only for a plain model)")
     p.add_argument("--passes", default=None, metavar="K,..", help="K of the passes mode (default: the run's K)")
-    p.add_argument("--prompt-tokens", type=int, default=None, metavar="P",
+    p.add_argument("--prompt-tokens", type=NONNEG_INT, default=None, metavar="P",
                    help="soft / fused: the first P inputs are the prompt; the targets at inputs P..T are scored")
-    p.add_argument("--prefill-passes", type=int, default=1, metavar="N", help="fused: Jacobi passes over the prompt")
+    p.add_argument("--prefill-passes", type=POSITIVE_INT, default=1, metavar="N", help="fused: Jacobi passes over the prompt")
     p.add_argument("--buckets", default=None, metavar="N,..",
                    help="upper bounds of the input-length buckets (default: each length, or powers of two)")
-    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="rows per forward (default: 32)")
-    p.add_argument("--resamples", type=int, default=10_000, metavar="N", help="bootstrap resamples (default: 10000)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the bootstrap (default: 0)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=32, metavar="N", help="rows per forward (default: 32)")
+    p.add_argument("--resamples", type=POSITIVE_INT, default=10_000, metavar="N", help="bootstrap resamples (default: 10000)")
+    p.add_argument("--seed", type=NONNEG_INT, default=0, metavar="N", help="seed of the bootstrap (default: 0)")
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the JSON report here (atomically)")

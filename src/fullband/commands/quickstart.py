@@ -7,6 +7,7 @@ import argparse
 
 from ..experiments import quickstart
 from ..training.device import tune_cpu_allocator
+from ..utils.argtypes import FRACTION, NONNEG_INT, POSITIVE_INT
 
 DEFAULTS = quickstart.DEFAULTS
 
@@ -21,20 +22,20 @@ def add_parser(sub) -> None:
                    help="retrain finished runs in OUT whose options or data differ from this invocation's (by "
                         "default they are kept and quickstart stops with an error naming the differences)")
     p.add_argument("--preset", default=DEFAULTS["preset"], help="model size preset (tiny, small, gpt2-small)")
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps per model")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="rows per step")
-    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per row")
-    p.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"], help="BPE vocabulary size")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed (init, split, data order, sampling)")
-    p.add_argument("--feedback-start", type=float, default=DEFAULTS["feedback_start"],
+    p.add_argument("--steps", type=POSITIVE_INT, default=DEFAULTS["steps"], help="optimizer steps per model")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=DEFAULTS["batch_size"], help="rows per step")
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=DEFAULTS["seq_len"], help="tokens per row")
+    p.add_argument("--vocab-size", type=POSITIVE_INT, default=DEFAULTS["vocab_size"], help="BPE vocabulary size")
+    p.add_argument("--seed", type=NONNEG_INT, default=DEFAULTS["seed"], help="seed (init, split, data order, sampling)")
+    p.add_argument("--feedback-start", type=FRACTION, default=DEFAULTS["feedback_start"],
                    help="fraction of the FBT run trained plain before feedback switches on")
-    p.add_argument("--num-passes", type=int, default=DEFAULTS["num_passes"], help="K of the FBT feedback steps")
-    p.add_argument("--eval-rows", type=int, default=DEFAULTS["eval_rows"],
+    p.add_argument("--num-passes", type=POSITIVE_INT, default=DEFAULTS["num_passes"], help="K of the FBT feedback steps")
+    p.add_argument("--eval-rows", type=POSITIVE_INT, default=DEFAULTS["eval_rows"],
                    help="held-out rows evaluated (the same rows for every model and mode)")
-    p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="held-out prompts to sample from")
-    p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"], help="new tokens per sample")
-    p.add_argument("--prompt-tokens", type=int, default=DEFAULTS["prompt_tokens"], help="prompt length in tokens")
-    p.add_argument("--score-prompt", type=int, default=DEFAULTS["score_prompt"],
+    p.add_argument("--samples", type=NONNEG_INT, default=DEFAULTS["samples"], help="held-out prompts to sample from")
+    p.add_argument("--sample-tokens", type=POSITIVE_INT, default=DEFAULTS["sample_tokens"], help="new tokens per sample")
+    p.add_argument("--prompt-tokens", type=NONNEG_INT, default=DEFAULTS["prompt_tokens"], help="prompt length in tokens")
+    p.add_argument("--score-prompt", type=NONNEG_INT, default=DEFAULTS["score_prompt"],
                    help="prompt tokens before the scored continuation in the decode-mode table (default: a quarter of a row, "
                         "at most 32)")
     p.add_argument("--no-flops-baseline", action="store_true",
@@ -45,9 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-state", action="store_true",
                    help="skip the running-state part (S3 and parity with a label at every position: FBT trained "
                         "with the exact recurrence vs plain L- and 2L-layer models, tested at T, 2T and 4T)")
-    p.add_argument("--state-steps", type=int, default=DEFAULTS["state_steps"],
+    p.add_argument("--state-steps", type=POSITIVE_INT, default=DEFAULTS["state_steps"],
                    help="training steps of each running-state model")
-    p.add_argument("--state-test-rows", type=int, default=DEFAULTS["state_test_rows"],
+    p.add_argument("--state-test-rows", type=POSITIVE_INT, default=DEFAULTS["state_test_rows"],
                    help="fresh test rows per running-state task and length")
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT model from scratch instead of branching it off the baseline at the feedback start")

@@ -9,6 +9,7 @@ from ..eval.problems import TASKS, make_problems, read_gsm8k
 from ..eval.reasoning import report_markdown, run_reasoning
 from ..eval.scoring import load_any_model
 from .eval import show_report
+from ..utils.argtypes import NONNEG_INT, POSITIVE_INT
 
 
 def _progress_printer(message: str) -> None:
@@ -57,16 +58,16 @@ def add_parser(sub) -> None:
     p.add_argument("--compare", default=None, help="a second model directory to compare with, mode by mode")
     p.add_argument("--task", default="arithmetic", choices=list(TASKS))
     p.add_argument("--data", default=None, help="GSM8K-format jsonl file (task gsm8k)")
-    p.add_argument("--num", type=int, default=100, help="number of problems (default 100; gsm8k: the first N)")
-    p.add_argument("--seed", type=int, default=0, help="problem seed, also the bootstrap seed")
+    p.add_argument("--num", type=POSITIVE_INT, default=100, help="number of problems (default 100; gsm8k: the first N)")
+    p.add_argument("--seed", type=NONNEG_INT, default=0, help="problem seed, also the bootstrap seed")
     p.add_argument("--modes", default=None,
                    help="comma-separated decode modes (default: standard and the model's default feedback mode)")
     p.add_argument("--no-cot", action="store_true", help="answer only, no chain of thought in the examples")
-    p.add_argument("--shots", type=int, default=0, help="solved examples before each question (default 0)")
+    p.add_argument("--shots", type=NONNEG_INT, default=0, help="solved examples before each question (default 0)")
     p.add_argument("--shots-data", default=None, help="GSM8K-format file the gsm8k shots come from")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes over the prompt in 'fused' mode")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128)
+    p.add_argument("--prefill-passes", type=POSITIVE_INT, default=1, help="Jacobi passes over the prompt in 'fused' mode")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default=None,

@@ -22,6 +22,7 @@ from ..training.engine import EXIT_STOPPED
 from ..training.labelled import train_labelled, wants_labelled
 from ..training.plan import GPU_PEAK_BF16, format_plan, make_plan
 from ..training.pretrain import train
+from ..utils.argtypes import POSITIVE_FRACTION, POSITIVE_INT
 
 GROUP_TITLES = {"run": "run", "data": "data", "model": "model", "optim": "optimisation", "feedback": "feedback schedule",
                 "guard": "stability guard", "log": "evaluation and logging", "hw": "hardware"}
@@ -46,9 +47,9 @@ def add_parser(sub) -> None:
                       help="print parameters, training FLOPs per step for each K of the schedule, memory per device "
                            "and the time at --plan-mfu on --plan-devices x --plan-gpu, then exit")
     plan.add_argument("--plan-gpu", default="h200", choices=sorted(GPU_PEAK_BF16), help="GPU of the plan (default: h200)")
-    plan.add_argument("--plan-devices", type=int, default=None, metavar="N",
+    plan.add_argument("--plan-devices", type=POSITIVE_INT, default=None, metavar="N",
                       help="devices of the plan (default: WORLD_SIZE, else 1)")
-    plan.add_argument("--plan-mfu", type=float, default=0.4, metavar="X",
+    plan.add_argument("--plan-mfu", type=POSITIVE_FRACTION, default=0.4, metavar="X",
                       help="model-FLOP utilisation assumed for the time (default: 0.4)")
     plan.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     p.add_argument("--labelled", action="store_true",
@@ -74,7 +75,7 @@ def add_config_arguments(p, cls=TrainConfig) -> None:
                 p.add_argument(flag, type=lambda s: [int(x) for x in s.split(",") if x], default=argparse.SUPPRESS,
                                help=argparse.SUPPRESS)
             else:
-                p.add_argument(flag, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                p.add_argument(flag, type=numeric_type(f), default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
         group = meta.get("group", "run")
         if group not in groups:
@@ -86,11 +87,19 @@ def add_config_arguments(p, cls=TrainConfig) -> None:
         if t.startswith("bool"):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
-            typ = int if t.startswith("int") else float if t.startswith("float") else str
+            typ = numeric_type(f) if t.startswith(("int", "float")) else str
             metavar = {"int": "N", "float": "X", "str": "S"}[typ.__name__]
             if f.name in ("out", "init_from", "tokenizer"):
                 metavar = "DIR"
             g.add_argument(flag, type=typ, default=argparse.SUPPRESS, metavar=metavar, help=help_text)
+
+
+def numeric_type(f: dataclasses.Field):
+    """The argparse type of a numeric config field: its ``arg`` (:mod:`fullband.utils.argtypes`, with its range)."""
+    typ = f.metadata.get("arg")
+    if typ is None:
+        raise TypeError(f"config field {f.name!r} is numeric but gives no arg= type (fullband.utils.argtypes)")
+    return typ
 
 
 def config_from_args(args, resume: bool, cls=TrainConfig):

@@ -27,11 +27,13 @@ itself, so an unknown token is a one-line error naming ``file:line``, never a si
 Prepared directory: ``manifest.json`` (``format`` ``fullband-labelled``, counts per split, lengths, the
 vocabulary size and the arrays' sha256), ``tokenizer/``, and per split ``{split}_ids.npy`` / ``{split}_labels.npy``
 (int32, every row's ids / labels one after the other) and ``{split}_offsets.npy`` (int64, N + 1 row starts), read
-memory-mapped (:class:`LabelledRows`). The split is per row: row i (0-based, in file order) is held out when the
-hash of ``(seed, i)`` says so (:func:`fullband.data.prepare.is_val`, the document split of ``data prepare``).
-Preparing reads the file twice (vocabulary and counts, then the rows into memory-mapped arrays): memory holds the
-vocabulary, not the rows; a bad row fails in the first pass and the directory is written atomically, so nothing is
-left behind on an error.
+memory-mapped (:class:`LabelledRows`). The split is by a row's content: a row is held out when the hash of
+``(seed, row_key(inputs))`` says so (:func:`row_key`; :func:`fullband.data.prepare.is_val`, the document split of
+``data prepare``), so rows of equal inputs fall in one split and no validation input is a training input; the
+number of rows whose inputs repeat an earlier row's is counted (``duplicate_rows``). Preparing reads the file twice
+(vocabulary and counts, then the rows into memory-mapped arrays): memory holds the vocabulary and a 16-byte key a
+row, not the rows; a bad row fails in the first pass and the directory is written atomically, so nothing is left
+behind on an error.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from .corpus import SPECIAL_TOKENS, load_tokenizer
 from .prepare import is_val
 
 FORMAT = "fullband-labelled"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the split by row content (1: by row number)
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 NO_TARGET = "_"
@@ -153,7 +155,7 @@ def encode_row(inputs, targets, vocab: dict, where: str, what: str = "the vocabu
 
 
 def row_key(inputs) -> bytes:
-    """What makes two rows the same (for the test/train overlap check): their input tokens."""
+    """What makes two rows the same (for the test/train overlap check and the validation split): their input tokens."""
     return hashlib.sha256("\x00".join(inputs).encode("utf-8")).digest()[:16]
 
 
@@ -199,32 +201,39 @@ class LabelledData:
     info: dict
 
 
+def row_split(key: bytes, seed: int, val_fraction: float) -> str:
+    """``"val"`` or ``"train"``: the split of a row by its :func:`row_key` ``key``, so equal rows share one."""
+    return "val" if is_val(key.hex(), seed, val_fraction) else "train"
+
+
 def _scan(path: str, seed: int, val_fraction: float):
-    """Pass 1: the vocabulary (first appearance) and per split ``[rows, ids, max input length, targets]``;
-    validates every row."""
-    words, counts, n = {}, {s: [0, 0, 0, 0] for s in SPLITS}, 0
+    """Pass 1: the vocabulary (first appearance), per split ``[rows, ids, max input length, targets]`` and the number
+    of rows whose inputs repeat an earlier row's; validates every row."""
+    words, counts, keys, duplicates = {}, {s: [0, 0, 0, 0] for s in SPLITS}, set(), 0
     for _, inputs, targets in iter_rows(path):
         for w in inputs:
             words.setdefault(w, None)
         for y in targets:
             if y is not None:
                 words.setdefault(y, None)
-        c = counts["val" if is_val(n, seed, val_fraction) else "train"]
+        key = row_key(inputs)
+        duplicates += key in keys
+        keys.add(key)
+        c = counts[row_split(key, seed, val_fraction)]
         c[0] += 1
         c[1] += len(inputs) + 2
         c[2] = max(c[2], len(inputs))
         c[3] += sum(y is not None for y in targets)
-        n += 1
     if counts["train"][0] == 0:
         raise ValueError(f"{path}: no training row (the file is empty or --val-fraction holds every row out)")
-    return list(words), counts
+    return list(words), counts, duplicates
 
 
 def _fill(path: str, seed: int, val_fraction: float, vocab: dict, arrays: dict) -> None:
     """Pass 2: every row's ids and labels into ``arrays[split] = (ids, labels, offsets)``."""
     at = {s: [0, 0] for s in SPLITS}  # rows, ids written
-    for n, (where, inputs, targets) in enumerate(iter_rows(path)):
-        split = "val" if is_val(n, seed, val_fraction) else "train"
+    for where, inputs, targets in iter_rows(path):
+        split = row_split(row_key(inputs), seed, val_fraction)
         ids, labels = encode_row(inputs, targets, vocab, where)
         a_ids, a_labels, a_off = arrays[split]
         r, p = at[split]
@@ -243,22 +252,22 @@ def _fingerprint(tokenizer, arrays: dict) -> str:
     return h.hexdigest()
 
 
-def _info(path, counts, tokenizer, seed, val_fraction) -> dict:
+def _info(path, counts, duplicates, tokenizer, seed, val_fraction) -> dict:
     return {"format": FORMAT, "version": FORMAT_VERSION, "source": os.path.abspath(path), "seed": seed,
-            "val_fraction": val_fraction, "vocab_size": len(tokenizer),
+            "val_fraction": val_fraction, "vocab_size": len(tokenizer), "duplicate_rows": duplicates,
             "splits": {s: {"rows": c[0], "ids": c[1], "max_length": c[2], "targets": c[3]}
                        for s, c in counts.items()}}
 
 
 def _build(path: str, seed: int, val_fraction: float, alloc):
-    words, counts = _scan(path, seed, val_fraction)
+    words, counts, duplicates = _scan(path, seed, val_fraction)
     tokenizer = labelled_tokenizer(words)
     arrays = {s: (alloc(f"{s}_ids", counts[s][1], np.int32), alloc(f"{s}_labels", counts[s][1], np.int32),
                   alloc(f"{s}_offsets", counts[s][0] + 1, np.int64)) for s in SPLITS}
     for s in SPLITS:
         arrays[s][2][0] = 0
     _fill(path, seed, val_fraction, tokenizer.get_vocab(), arrays)
-    return tokenizer, arrays, counts
+    return tokenizer, arrays, counts, duplicates
 
 
 def prepare_labelled(src: str, out: str, val_fraction: float = 0.1, seed: int = 0, overwrite: bool = False) -> dict:
@@ -271,11 +280,11 @@ def prepare_labelled(src: str, out: str, val_fraction: float = 0.1, seed: int = 
         def alloc(name, n, dtype):
             return np.lib.format.open_memmap(os.path.join(tmp, f"{name}.npy"), mode="w+", dtype=dtype, shape=(n,))
 
-        tokenizer, arrays, counts = _build(src, seed, val_fraction, alloc)
+        tokenizer, arrays, counts, duplicates = _build(src, seed, val_fraction, alloc)
         for split in SPLITS:
             for a in arrays[split]:
                 a.flush()
-        manifest = {**_info(src, counts, tokenizer, seed, val_fraction), "sha256": _fingerprint(tokenizer, arrays)}
+        manifest = {**_info(src, counts, duplicates, tokenizer, seed, val_fraction), "sha256": _fingerprint(tokenizer, arrays)}
         del arrays
         atomic_save_pretrained(tokenizer, os.path.join(tmp, TOKENIZER_DIR))
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
@@ -306,9 +315,10 @@ def load_labelled(path: str, seed: int = 0, val_fraction: float = 0.1) -> Labell
                          f"{MANIFEST}); give it a labelled .jsonl file or such a directory")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    tokenizer, arrays, counts = _build(path, seed, val_fraction, lambda name, n, dtype: np.zeros(n, dtype=dtype))
+    tokenizer, arrays, counts, duplicates = _build(path, seed, val_fraction,
+                                                   lambda name, n, dtype: np.zeros(n, dtype=dtype))
     return LabelledData(tokenizer, LabelledRows(*arrays["train"]), LabelledRows(*arrays["val"]),
-                        _fingerprint(tokenizer, arrays), _info(path, counts, tokenizer, seed, val_fraction))
+                        _fingerprint(tokenizer, arrays), _info(path, counts, duplicates, tokenizer, seed, val_fraction))
 
 
 def training_row_keys(path: str):

@@ -58,8 +58,9 @@ TOKENIZER = "tokenizer"
 _ENCODE_BATCH = 1 << 20  # characters of text encoded at once inside a worker (bounds its Python int lists)
 
 
-def is_val(index: int, seed: int, val_fraction: float) -> bool:
-    """Whether document ``index`` (0-based, in reading order) is held out: a hash of (seed, index), no global pass."""
+def is_val(index: int | str, seed: int, val_fraction: float) -> bool:
+    """Whether document ``index`` (0-based, in reading order; or a labelled row's key, a hex string) is held out: a
+    hash of (seed, index), no global pass."""
     if val_fraction <= 0.0:
         return False
     h = int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little")

@@ -105,6 +105,7 @@ from .synthetic import (
     train_arm,
     train_controls,
 )
+from ..utils.argtypes import POSITIVE_FRACTION, POSITIVE_INT
 
 LONG = dict(feedback_start=0.0, deep_fraction=0.0, prefix_mix=0.0)  # the long recurrence from the first step
 ARM_NAMES = ("baseline-L", "baseline-2L", "baseline-4L", "fbt-L", "fbt-L-glu", FLOPS_ARM, EPOCHS_ARM,
@@ -172,13 +173,13 @@ def add_arguments(r) -> None:
     r.add_argument("--random-positions", action="store_true",
                    help="train every arm on randomized positions (BOS at 0, the other position ids a sorted random "
                         "subset of 1..4T+1), so the 2T / 4T test rows' relative distances were all seen in training")
-    r.add_argument("--length-curriculum", type=float, default=None, metavar="FRACTION",
+    r.add_argument("--length-curriculum", type=POSITIVE_FRACTION, default=None, metavar="FRACTION",
                    help="train every arm (plain and FBT) with a curriculum in length: over the first FRACTION of its "
                         "steps the labelled length grows linearly from --curriculum-start to T, then stays at T "
                         "(the loss only at the first n inputs of each row; a causal model's later positions change "
                         "nothing before them, so this is training on length-n rows; FLOPs are counted on whole rows) "
                         "(default: none, every label from the first step)")
-    r.add_argument("--curriculum-start", type=int, default=OPTIONS["curriculum_start"], metavar="N",
+    r.add_argument("--curriculum-start", type=POSITIVE_INT, default=OPTIONS["curriculum_start"], metavar="N",
                    help="the labelled length at the first step of --length-curriculum (default: %(default)s)")
 
 

@@ -69,7 +69,8 @@ def full_backprop_forward(model, input_ids, attention_mask, labels, feedback_mas
     """The recurrence over ``input_ids`` ``[B, T]`` with gradient, in checkpointed blocks of ``chunk`` tokens (see
     the module docstring); ``loss`` is the recurrence's next-token loss on ``labels`` (plus the z-loss of
     ``loss_kwargs``), ``pass_losses`` its one entry. In training mode the fed-back state gets the jitter of
-    ``config.jitter`` and, with ``config.detach_state``, no gradient (the keys and values still carry one)."""
+    ``config.jitter`` and, with ``config.detach_state``, no gradient (the keys and values still carry one), and the
+    backbone's dropout applies: this recurrence is the gradient pass (the recomputed blocks draw the same masks)."""
     B, T = input_ids.shape
     device = input_ids.device
     check_full_backprop(model, chunk, position_ids, attention_mask, T)

@@ -48,6 +48,20 @@ from .sharding import embedding_rms, gathered_once
 StateHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+@contextlib.contextmanager
+def without_dropout(module: torch.nn.Module):
+    """Every sub-module of ``module`` in evaluation mode for the scope (no dropout), each back to its own mode after
+    (a module left in evaluation mode on purpose stays so)."""
+    modes = [(m, m.training) for m in module.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def _zero_unscored(terms: list) -> list:
     """A pass's objective terms with the passes not scored (``None``: run without gradient, no loss computed) as
     zeros: the objective's part that has gradient, whose backward is the whole objective's."""
@@ -309,9 +323,9 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         gradient, the first fed the exact states shifted right by one (so its output is the exact recurrence's, to
         rounding), each next one fed the one before (the gradient flows through these N passes and their chain of
         states, not through the token-by-token pass). It equals ``num_passes = T + 1 + N, grad_passes = N`` (the
-        passes without gradient reach the exact states at pass T + 1) at the cost of two passes' forwards plus N
-        gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
-        no plain pass, so ``feedback_weight`` does not apply) and ``pass_losses`` has N entries. It takes no
+        passes without gradient reach the exact states at pass T + 1) at the cost of one forward without the LM head
+        (the token-by-token pass: T sequential one-token calls) plus N gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
+        no plain pass, so ``feedback_weight`` does not apply: ``fullband train`` refuses a λ or its ramp here) and ``pass_losses`` has N entries. It takes no
         ``prev_hidden``, ``cache``, ``grad_passes`` or ``pass_tol``.
 
         Full backpropagation through the recurrence: ``full_backprop=True`` (with ``num_passes=1``) runs the
@@ -491,12 +505,22 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         ``cache`` (empty) is filled and returned (decoding's ``exact`` prefill continues from it); ``state_hook(t,
         h_prev)`` may replace the state fused at step t (analysis interventions); ``output_hidden_states`` also
         returns every layer's residual stream. Returns logits ``[B, T, V]``, ``last_hidden_state`` ``[B, T, d]``
-        and ``inputs_embeds`` (what entered the backbone). No jitter, no gradient. ``need_logits=False`` projects
-        no position through the LM head (``logits`` is then ``None``): the states are all that is wanted.
+        and ``inputs_embeds`` (what entered the backbone). No jitter, no gradient, no dropout: in training mode it
+        runs as in evaluation (:func:`without_dropout`), so its states are the recurrence's (the exact states of
+        ``exact_states=True``), not those of T dropout masks; the gradient passes after it keep the backbone's
+        dropout, as training does. ``need_logits=False`` projects no position through the LM head (``logits`` is
+        then ``None``): the states are all that is wanted.
 
         Packed rows (``position_ids`` that restart, no ``attention_mask``: see :meth:`forward`): each packed sample
         runs as a sequence of its own (its own cache: the backbone's attention over the whole row keeps the samples
         apart just so), its state reset at its start; such rows fill no ``cache`` and take no ``state_hook``."""
+        with without_dropout(self):
+            return self._recurrence(input_ids, attention_mask, feedback_mask, position_ids, cache, state_hook,
+                                    output_hidden_states, need_logits)
+
+    def _recurrence(self, input_ids, attention_mask, feedback_mask, position_ids, cache, state_hook,
+                    output_hidden_states, need_logits) -> FullBandwidthOutput:
+        """:meth:`recurrent_forward`'s body (the modules already in evaluation mode)."""
         self.check_inputs(input_ids, attention_mask, None, feedback_mask)
         B, T = input_ids.shape
         if feedback_mask is None:

@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from fullband import FullBandwidthForCausalLM
 
+from ..utils.argtypes import NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY
 from .commands import require_vllm
 
 SIZES = {"tiny": (256, 4), "small": (768, 12)}
@@ -346,22 +347,22 @@ def add_bench_parser(bench_sub) -> None:
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--size", default="tiny", help="tiny (d256 L4), small (d768 L12) or d<width>l<layers>")
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=POSITIVE_INT, default=4096)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 16], help="comma-separated batch sizes")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=20,
+    p.add_argument("--prompt-len", type=POSITIVE_INT, default=32)
+    p.add_argument("--new-tokens", type=POSITIVE_INT, default=32)
+    p.add_argument("--repeats", type=POSITIVE_INT, default=20,
                    help="timed pairs (one run of each model, back to back) per batch size")
-    p.add_argument("--confidence", type=float, default=0.95, help="level of the CI of the median paired ratio")
-    p.add_argument("--max-ci-width", type=float, default=0.10,
+    p.add_argument("--confidence", type=PROBABILITY, default=0.95, help="level of the CI of the median paired ratio")
+    p.add_argument("--max-ci-width", type=POSITIVE_FLOAT, default=0.10,
                    help="a CI wider than this (in ratio units) is reported as inconclusive")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE per engine, if unset")
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+    p.add_argument("--kv-cache-gib", type=POSITIVE_FLOAT, default=1.0, help="VLLM_CPU_KVCACHE_SPACE per engine, if unset")
+    p.add_argument("--shared-prefix", type=NONNEG_INT, default=0, metavar="N",
                    help="a shared-system-prompt workload: every prompt starts with one N-token prefix, and the pair "
                         "is the fullband model with prefix caching on / off (gain and hit rates); 0: off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=NONNEG_INT, default=0)
     p.add_argument("--out", default=None, help="where the two models are saved (default: a temporary directory)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the timed runs, profile one run of each engine at the largest batch with vLLM's "

@@ -19,6 +19,7 @@ import os
 import shlex
 import sys
 
+from ..utils.argtypes import POSITIVE_FLOAT, POSITIVE_INT, int_range
 from .config import REFUSED_FLAGS, SUPPORTED_BACKBONES, VLLM_PIN, backbone_architecture
 
 
@@ -107,16 +108,16 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="fullband checkpoint directory (save_pretrained + tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_range(0, 65535), default=8000)
     p.add_argument("--dtype", default="auto", help="weights/activations dtype for vLLM (auto, float32, bfloat16)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the backbone's)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
+    p.add_argument("--max-model-len", type=POSITIVE_INT, default=None, help="context length (default: the backbone's)")
+    p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=None, help="requests decoded together")
     p.add_argument("--mode", choices=("soft", "fused"), default="soft",
                    help="decode mode: soft (prompt plain, generated tokens fused) or fused (plus --prefill-passes "
                         "Jacobi passes over each prompt; turns chunked prefill off)")
-    p.add_argument("--prefill-passes", type=int, default=1, help="Jacobi passes over the prompt in --mode fused")
+    p.add_argument("--prefill-passes", type=POSITIVE_INT, default=1, help="Jacobi passes over the prompt in --mode fused")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the path)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+    p.add_argument("--kv-cache-gib", type=POSITIVE_FLOAT, default=1.0,
                    help="VLLM_CPU_KVCACHE_SPACE in GiB when the environment does not set it")
     p.add_argument("--print-command", action="store_true", help="print the vLLM command instead of running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments passed to vLLM unchanged")

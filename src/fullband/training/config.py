@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..model.feedback import check_fusion_name
+from ..utils.argtypes import (FRACTION, NONNEG_FLOAT, NONNEG_INT, OPEN_FRACTION, POSITIVE_FLOAT, POSITIVE_INT,
+                              int_at_least)
 from ..utils.errors import UsageError
 from . import distributed as D
 from .presets import get_preset
@@ -29,7 +31,9 @@ PRECISIONS = ("auto", "fp32", "bf16")
 def config_field(default, help, *, traj=True, branch=False, hidden=False, cli=True, **kw):
     """A config field: ``traj`` = changing it changes the training trajectory (refused on --resume);
     ``branch`` = a feedback setting that may change on --resume while the checkpoint precedes the feedback start;
-    ``hidden`` = a test hook (no help, not in config files); ``persist=False`` = not taken from a checkpoint."""
+    ``hidden`` = a test hook (no help, not in config files); ``persist=False`` = not taken from a checkpoint;
+    ``arg`` = the command-line type of a numeric option (:mod:`fullband.utils.argtypes`: its range), required of
+    every ``int`` / ``float`` field that has a flag."""
     meta = {"help": help, "traj": traj, "branch": branch, "hidden": hidden, "cli": cli, **kw}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -52,67 +56,67 @@ class TrainConfig:
 
     # ---- run
     out: str | None = config_field(None, "output directory: checkpoints, metrics.jsonl, the final model and tokenizer", traj=False, group="run")
-    steps: int = config_field(200, "optimizer steps (the LR and feedback schedules are fractions of this)", group="run")
-    seed: int = config_field(0, "seed of the model init, data split and order, prefix mixing and jitter", group="run")
-    save_every: int = config_field(0, "write a checkpoint every N steps (0: only when stopping early); the last --keep-checkpoints are kept", traj=False, group="run")
-    keep_checkpoints: int = config_field(1, "how many checkpoints to keep", traj=False, group="run")
-    stop_after: int | None = config_field(None, "stop cleanly after this step, writing a checkpoint (continue later with --resume; not remembered by it)", traj=False, persist=False, group="run")
+    steps: int = config_field(200, "optimizer steps (the LR and feedback schedules are fractions of this)", group="run", arg=POSITIVE_INT)
+    seed: int = config_field(0, "seed of the model init, data split and order, prefix mixing and jitter", group="run", arg=NONNEG_INT)
+    save_every: int = config_field(0, "write a checkpoint every N steps (0: only when stopping early); the last --keep-checkpoints are kept", traj=False, group="run", arg=NONNEG_INT)
+    keep_checkpoints: int = config_field(1, "how many checkpoints to keep", traj=False, group="run", arg=POSITIVE_INT)
+    stop_after: int | None = config_field(None, "stop cleanly after this step, writing a checkpoint (continue later with --resume; not remembered by it)", traj=False, persist=False, group="run", arg=POSITIVE_INT)
     # ---- data
     data: str = config_field("shakespeare", "training text: 'shakespeare' (embedded corpus), a text file, a folder, a .jsonl with a 'text' field, a datasets directory, or a directory of `fullband data prepare` (read lazily; its tokenizer and split apply)", group="data")
     tokenizer: str | None = config_field(None, "local HF tokenizer directory (default: train a byte-level BPE on the training documents; with --init-from, that checkpoint's tokenizer)", group="data")
-    vocab_size: int = config_field(4096, "vocabulary size of a BPE trained here", group="data")
-    seq_len: int = config_field(256, "tokens per packed row", group="data")
-    val_fraction: float = config_field(0.1, "fraction of documents held out for validation", group="data")
-    batch_size: int = config_field(16, "global batch in rows per optimizer step (split over processes and --grad-accum micro-batches)", group="data")
-    grad_accum: int = config_field(1, "micro-batches per optimizer step (per process)", group="data")
-    data_offset: int = config_field(0, "skip the first N batches of the data order (continue where an --init-from run stopped reading)", group="data")
-    unique_batches: int = config_field(0, "read only the rows of the first N batches of the data order (from --data-offset on), re-read in a fresh seeded order each epoch until --steps: the same unique tokens as an N-step run, for more FLOPs (0: off)", group="data")
+    vocab_size: int = config_field(4096, "vocabulary size of a BPE trained here", group="data", arg=int_at_least(300))
+    seq_len: int = config_field(256, "tokens per packed row", group="data", arg=int_at_least(2))
+    val_fraction: float = config_field(0.1, "fraction of documents held out for validation", group="data", arg=OPEN_FRACTION)
+    batch_size: int = config_field(16, "global batch in rows per optimizer step (split over processes and --grad-accum micro-batches)", group="data", arg=POSITIVE_INT)
+    grad_accum: int = config_field(1, "micro-batches per optimizer step (per process)", group="data", arg=POSITIVE_INT)
+    data_offset: int = config_field(0, "skip the first N batches of the data order (continue where an --init-from run stopped reading)", group="data", arg=NONNEG_INT)
+    unique_batches: int = config_field(0, "read only the rows of the first N batches of the data order (from --data-offset on), re-read in a fresh seeded order each epoch until --steps: the same unique tokens as an N-step run, for more FLOPs (0: off)", group="data", arg=NONNEG_INT)
     # ---- model
     preset: str = config_field("tiny", "backbone size from scratch: tiny (~3M), small (~25M), gpt2-small (~125M at a 50k vocabulary); micro (d64, tests)", group="model")
     tie_embeddings: bool | None = config_field(None, "tie the LM head to the input embeddings (one tensor) of a backbone built from --preset (default: the preset's choice, tied for gpt2-small and llama-1b); an --init-from checkpoint keeps its own tying, and asking to change it is refused", group="model")
-    layers: int | None = config_field(None, "decoder layers of a backbone built from --preset (default: the preset's own: micro 2, tiny 4, small 6; e.g. plain models of 2x and 4x an FBT's depth); not with --init-from", group="model")
+    layers: int | None = config_field(None, "decoder layers of a backbone built from --preset (default: the preset's own: micro 2, tiny 4, small 6; e.g. plain models of 2x and 4x an FBT's depth); not with --init-from", group="model", arg=POSITIVE_INT)
     init_from: str | None = config_field(None, "local HF causal-LM checkpoint to retrofit (or a fullband model to continue) instead of a preset", group="model")
     fusion: str = config_field("residual", "fusion of h_{t-1} and e_t: residual (u = e + GLU(h, e), measured best), glu (paper), concat, add", group="model")
-    feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K)", branch=True, group="model")
-    jitter: float = config_field(0.02, "uniform noise on the fed-back state, +-jitter * RMS(state)", branch=True, group="model")
+    feedback_weight: float = config_field(1.0, "lambda in loss = L_1 + lambda * mean(L_2..L_K) (not with --exact-states / --full-backprop: no plain pass)", branch=True, group="model", arg=NONNEG_FLOAT)
+    jitter: float = config_field(0.02, "uniform noise on the fed-back state, +-jitter * RMS(state)", branch=True, group="model", arg=NONNEG_FLOAT)
     detach_state: bool = config_field(False, "stop gradients through the fed-back state (cheaper; not in the paper)", branch=True, group="model")
     # ---- optimisation
-    lr: float | None = config_field(None, "peak learning rate (default: the preset's, 3e-4 with --init-from)", group="optim")
-    min_lr_ratio: float = config_field(0.1, "final LR as a fraction of the peak", group="optim")
+    lr: float | None = config_field(None, "peak learning rate (default: the preset's, 3e-4 with --init-from)", group="optim", arg=POSITIVE_FLOAT)
+    min_lr_ratio: float = config_field(0.1, "final LR as a fraction of the peak", group="optim", arg=FRACTION)
     lr_schedule: str = config_field("wsd", "wsd (warmup-stable-decay: feedback switches on at the full LR), cosine or constant", group="optim")
-    warmup_fraction: float = config_field(0.05, "fraction of steps of linear warmup", group="optim")
-    decay_fraction: float = config_field(0.1, "WSD: fraction of steps of the final linear decay", group="optim")
-    weight_decay: float = config_field(0.1, "AdamW weight decay (matrices only)", group="optim")
-    beta1: float = config_field(0.9, "AdamW beta1", group="optim")
-    beta2: float = config_field(0.95, "AdamW beta2", group="optim")
-    grad_clip: float = config_field(1.0, "clip the global gradient norm to this (0: no clipping)", group="optim")
-    fusion_lr_mult: float = config_field(10.0, "LR multiplier of the fusion weights' parameter groups", branch=True, group="optim")
-    fusion_warmup: float = config_field(0.1, "fraction of the feedback phase over which the fusion LR warms up linearly from 0", branch=True, group="optim")
-    z_loss: float = config_field(0.0, "PaLM z-loss: add this x mean(logsumexp(logits)^2) over the supervised tokens to every pass's loss (reported as z_loss; 0: off)", group="optim")
+    warmup_fraction: float = config_field(0.05, "fraction of steps of linear warmup", group="optim", arg=OPEN_FRACTION)
+    decay_fraction: float = config_field(0.1, "WSD: fraction of steps of the final linear decay", group="optim", arg=FRACTION)
+    weight_decay: float = config_field(0.1, "AdamW weight decay (matrices only)", group="optim", arg=NONNEG_FLOAT)
+    beta1: float = config_field(0.9, "AdamW beta1", group="optim", arg=OPEN_FRACTION)
+    beta2: float = config_field(0.95, "AdamW beta2", group="optim", arg=OPEN_FRACTION)
+    grad_clip: float = config_field(1.0, "clip the global gradient norm to this (0: no clipping)", group="optim", arg=NONNEG_FLOAT)
+    fusion_lr_mult: float = config_field(10.0, "LR multiplier of the fusion weights' parameter groups", branch=True, group="optim", arg=NONNEG_FLOAT)
+    fusion_warmup: float = config_field(0.1, "fraction of the feedback phase over which the fusion LR warms up linearly from 0", branch=True, group="optim", arg=FRACTION)
+    z_loss: float = config_field(0.0, "PaLM z-loss: add this x mean(logsumexp(logits)^2) over the supervised tokens to every pass's loss (reported as z_loss; 0: off)", group="optim", arg=NONNEG_FLOAT)
     clip_per_group: bool = config_field(True, "clip the backbone's and the fusion's gradient norms separately (each to --grad-clip)", branch=True, group="optim")
     precision: str = config_field("auto", "auto (bf16 autocast on a GPU that supports it, else fp32), fp32 or bf16", group="optim")
     # ---- feedback schedule
-    num_passes: int = config_field(2, "K once feedback is on (1: a plain baseline)", branch=True, group="feedback")
-    feedback_start: float = config_field(0.7, "fraction of the steps trained plain before feedback switches on", branch=True, group="feedback")
-    deep_passes: int = config_field(4, "K of the deep steps", branch=True, group="feedback")
-    deep_fraction: float = config_field(0.1, "fraction of the feedback steps that use --deep-passes", branch=True, group="feedback")
-    prefix_mix: float = config_field(0.25, "probability that a document keeps a random plain prefix on feedback steps", branch=True, group="feedback")
-    feedback_ramp: float = config_field(0.2, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight", branch=True, group="feedback")
-    fusion_only: float = config_field(0.0, "fraction of the feedback phase, at its start, in which only the fusion trains (backbone frozen)", branch=True, group="feedback")
+    num_passes: int = config_field(2, "K once feedback is on (1: a plain baseline)", branch=True, group="feedback", arg=POSITIVE_INT)
+    feedback_start: float = config_field(0.7, "fraction of the steps trained plain before feedback switches on", branch=True, group="feedback", arg=FRACTION)
+    deep_passes: int = config_field(4, "K of the deep steps", branch=True, group="feedback", arg=POSITIVE_INT)
+    deep_fraction: float = config_field(0.1, "fraction of the feedback steps that use --deep-passes", branch=True, group="feedback", arg=FRACTION)
+    prefix_mix: float = config_field(0.25, "probability that a document keeps a random plain prefix on feedback steps", branch=True, group="feedback", arg=FRACTION)
+    feedback_ramp: float = config_field(0.2, "fraction of the feedback phase over which lambda ramps linearly from 0 to --feedback-weight (not with --exact-states / --full-backprop)", branch=True, group="feedback", arg=FRACTION)
+    fusion_only: float = config_field(0.0, "fraction of the feedback phase, at its start, in which only the fusion trains (backbone frozen)", branch=True, group="feedback", arg=FRACTION)
     # ---- long recurrences (K up to the row length: K = seq_len is the exact recurrence)
-    grad_passes: int = config_field(0, "truncated gradients: passes 1..K-N run without gradient, the last N backpropagate (0: all K)", branch=True, group="feedback")
-    pass_tol: float = config_field(0.0, "stop the passes early once max|h_k - h_{k-1}| / max|h_{k-1}| < this (the gradient passes still run; 0: off)", branch=True, group="feedback")
+    grad_passes: int = config_field(0, "truncated gradients: passes 1..K-N run without gradient, the last N backpropagate (0: all K)", branch=True, group="feedback", arg=NONNEG_INT)
+    pass_tol: float = config_field(0.0, "stop the passes early once max|h_k - h_{k-1}| / max|h_{k-1}| < this (the gradient passes still run; 0: off)", branch=True, group="feedback", arg=NONNEG_FLOAT)
     pass_mix: str | None = config_field(None, "K of each feedback step drawn from K:P pairs, e.g. 1:0.75,2:0.22,3:0.03 (the paper's per-batch mix; a function of --seed and the step alone); --num-passes must be its largest K and --deep-fraction 0", branch=True, group="feedback")
     exact_states: bool = config_field(False, "the exact recurrence at linear cost: each fed-back step runs the token-by-token recurrence without gradient for the exact states, then --grad-passes N teacher-forced passes with gradient from them (K of the schedule then only says which steps are fed back)", branch=True, group="feedback")
     full_backprop: bool = config_field(False, "full backpropagation through the token-by-token recurrence: each fed-back step runs the exact recurrence with gradient through every step's state and KV cache (its gradient: the last of K = T + 1 passes' gradient, at the cost of about 4/3 of a plain step's FLOPs; memory linear in T: see --backprop-chunk); K of the schedule then only says which steps are fed back", branch=True, group="feedback")
-    backprop_chunk: int = config_field(8, "--full-backprop: blocks of this many tokens, each recomputed in the backward (memory kept: the hidden states and keys/values of the row, plus one block's insides over the row's keys; 0: no recomputation, memory quadratic in the row length)", traj=False, group="feedback")
-    pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback")
+    backprop_chunk: int = config_field(8, "--full-backprop: blocks of this many tokens, each recomputed in the backward (memory kept: the hidden states and keys/values of the row, plus one block's insides over the row's keys; 0: no recomputation, memory quadratic in the row length)", traj=False, group="feedback", arg=NONNEG_INT)
+    pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback", arg=FRACTION)
     # ---- stability guard
-    spike_factor: float = config_field(3.0, "skip a step whose loss (the mean of the passes it trains) exceeds this times its running average (0: off)", group="guard")
-    max_bad_steps: int = config_field(5, "after this many skipped steps in a row: stop; but when every one is a finite spike and their mean is below the level the run started from (the model's loss moved: skipping cannot undo it), re-base the running loss on them and train on", traj=False, group="guard")
+    spike_factor: float = config_field(3.0, "skip a step whose loss (the mean of the passes it trains) exceeds this times its running average (0: off)", group="guard", arg=NONNEG_FLOAT)
+    max_bad_steps: int = config_field(5, "after this many skipped steps in a row: stop; but when every one is a finite spike and their mean is below the level the run started from (the model's loss moved: skipping cannot undo it), re-base the running loss on them and train on", traj=False, group="guard", arg=POSITIVE_INT)
     # ---- evaluation and logging
-    eval_every: int = config_field(0, "validation loss every N steps (0: ten times per run)", traj=False, group="log")
-    eval_rows: int = config_field(32, "validation rows used by the periodic evaluation", traj=False, group="log")
+    eval_every: int = config_field(0, "validation loss every N steps (0: ten times per run)", traj=False, group="log", arg=NONNEG_INT)
+    eval_rows: int = config_field(32, "validation rows used by the periodic evaluation", traj=False, group="log", arg=POSITIVE_INT)
     progress: bool = config_field(True, "progress bar (tokens/s, loss per pass, ETA)", traj=False, group="log")
     tensorboard: bool = config_field(True, "TensorBoard logs under OUT/tb when tensorboard is installed", traj=False, group="log")
     plot: bool = config_field(True, "write OUT/curves.png at the end", traj=False, group="log")
@@ -122,10 +126,10 @@ class TrainConfig:
     # memory and speed: the same losses up to float rounding (not part of the trajectory)
     compile: bool = config_field(False, "torch.compile the backbone's decoder layers (their attention, MLP and norms; the K-pass loop stays eager); the first steps are slow while it compiles", traj=False, group="hw")
     activation_checkpointing: bool = config_field(False, "recompute each decoder layer in the backward instead of keeping its activations (passes with gradient; less memory, about one more forward of compute)", traj=False, group="hw")
-    loss_chunk: int = config_field(0, "compute each pass's loss N positions at a time from the final hidden states, each chunk's logits recomputed in the backward: no full [tokens, vocab] fp32 logits (0: off)", traj=False, group="hw")
+    loss_chunk: int = config_field(0, "compute each pass's loss N positions at a time from the final hidden states, each chunk's logits recomputed in the backward: no full [tokens, vocab] fp32 logits (0: off)", traj=False, group="hw", arg=NONNEG_INT)
     # ---- test hooks (hidden)
     debug_nan_steps: list = config_field([], "", traj=False, hidden=True)
-    debug_kill_at_step: int | None = config_field(None, "", traj=False, hidden=True)
+    debug_kill_at_step: int | None = config_field(None, "", traj=False, hidden=True, arg=POSITIVE_INT)
 
     # -------------------------------------------------------------------------------------------------
 
@@ -164,6 +168,25 @@ class TrainConfig:
         if self.full_backprop and num_passes > 1:
             return 1
         return self.grad_passes if self.exact_states and num_passes > 1 else num_passes
+
+    def weighs_passes(self) -> bool:
+        """Whether λ (``--feedback-weight``, ramped over ``--feedback-ramp``) weighs a fed-back step's passes
+        (``L_1 + λ·mean(L_2..L_K)``): not with ``--exact-states`` (every gradient pass is the exact recurrence's, the
+        loss their mean) or ``--full-backprop`` (one pass, its loss): there is no plain pass to weigh them against."""
+        return not (self.exact_states or self.full_backprop)
+
+    def check_weight_applies(self) -> None:
+        """``ValueError`` (one line) when λ or its ramp is set away from its defaults (1.0; a ramp of 0.2 or 0) where
+        it does not apply (:meth:`weighs_passes`): an option that would do nothing is refused."""
+        ramp_default = TrainConfig.__dataclass_fields__["feedback_ramp"].default
+        if TrainConfig.weighs_passes(self) or (self.feedback_weight == 1.0
+                                               and self.feedback_ramp in (0.0, ramp_default)):
+            return
+        mode = "--exact-states (the loss is the mean of its gradient passes, all of them the exact recurrence's)" if (
+            self.exact_states) else "--full-backprop (the loss is the recurrence's, one pass)"
+        raise ValueError(f"--feedback-weight and --feedback-ramp do not apply with {mode}: there is no plain pass to "
+                         f"weigh against; leave them at 1.0 and {ramp_default} (got {self.feedback_weight} and "
+                         f"{self.feedback_ramp})")
 
     def loss_options(self) -> dict:
         """The K-pass forward's loss arguments of every training step (``loss_chunk``, ``z_loss``; ``None``: off)."""
@@ -256,6 +279,7 @@ class TrainConfig:
                  "recurrence: --grad-passes and --pass-tol (options of the K passes) do not apply; leave them 0")
             need(not (self.parallel == "fsdp" and world_size > 1), "--full-backprop does not run under FSDP2 (its "
                  "blocks recompute sharded layers in the backward): use --parallel ddp")
+        self.check_weight_applies()
         need(self.backprop_chunk >= 0, f"--backprop-chunk must be >= 0 tokens (0: no recomputation), got "
              f"{self.backprop_chunk}")
         need(0.0 <= self.pass_curriculum <= 1.0, f"--pass-curriculum must be in [0, 1], got {self.pass_curriculum}")

@@ -289,8 +289,11 @@ class Trainer:
         self.eval_every = cfg.eval_every or max(1, cfg.steps // 10)
         self.log = MetricsLog(cfg, env.is_main, self.start, self.recipe.name)
         if env.is_main and self.start == 0:
-            feedback = (f"feedback from step {self.fb_start + 1} ({self.sched.describe()}), " if cfg.feedback_ever
-                        else "no feedback (K=1), ")
+            loss = (f"loss L_1 + λ·mean(L_2..L_K), λ {cfg.feedback_weight:g} ramped over {cfg.feedback_ramp:g} of the "
+                    "feedback phase" if cfg.weighs_passes() else "loss the mean of the gradient passes from the exact "
+                    "states, no λ" if cfg.exact_states else "loss the recurrence's, no λ")
+            feedback = (f"feedback from step {self.fb_start + 1} ({self.sched.describe()}; {loss}), "
+                        if cfg.feedback_ever else "no feedback (K=1), ")
             self.log.write(self.recipe.describe(D.unwrap(model)) + feedback
                            + f"{env.world_size} process(es), {precision}, device {env.device}")
         self.t_start = time.perf_counter()
@@ -323,7 +326,8 @@ class Trainer:
         lr = lr_at(step, cfg)
         set_learning_rates(optimizer, lr, lr * self.switch_on.fusion_lr_factor(step, self.fb_start, cfg.steps))
         frozen = self.switch_on.backbone_frozen(step, self.fb_start, cfg.steps)
-        weight = cfg.feedback_weight * self.switch_on.feedback_weight_factor(step, self.fb_start, cfg.steps)
+        weight = (cfg.feedback_weight * self.switch_on.feedback_weight_factor(step, self.fb_start, cfg.steps)
+                  if cfg.weighs_passes() else None)  # None: the model's loss takes no λ (exact states, full backprop)
         batch = self.recipe.batch(step, K, self.prefix_gen, env)
         ran, zs = [], []
         options = cfg.pass_options() if K > 1 else {}

@@ -96,6 +96,7 @@ class PassSchedule:
         if self.full_backprop and (self.exact_states or self.grad_passes or self.pass_tol):
             raise ValueError("full_backprop backpropagates through the whole recurrence: exact_states, grad_passes "
                              "and pass_tol (options of the K passes) do not apply; leave them off")
+        TrainConfig.check_weight_applies(self)
 
     def forward_options(self, num_passes: int) -> dict:
         """The K-pass forward's options of a step of ``num_passes`` passes, as ``fullband train`` passes them
@@ -121,7 +122,10 @@ class PassSchedule:
     def passes_at(self, step: int, total_steps: int) -> int:
         return self.feedback().passes_at(min(step, total_steps - 1), total_steps)
 
-    def weight_at(self, step: int, total_steps: int) -> float:
+    def weight_at(self, step: int, total_steps: int) -> float | None:
+        """λ at ``step``, ramped; ``None`` where it does not apply (:meth:`TrainConfig.weighs_passes`)."""
+        if not TrainConfig.weighs_passes(self):
+            return None
         start = self.feedback().start_step(total_steps)
         return self.feedback_weight * self.switch_on().feedback_weight_factor(step, start, total_steps)
 

@@ -5,7 +5,8 @@ Owns what training on a researcher's own labelled rows (:mod:`fullband.data.labe
 :mod:`fullband.training.engine` (K passes and their schedule, ``--exact-states --grad-passes N``, checkpoints,
 ``--resume``, DDP / FSDP2, the guard) are pre-training's:
 
-* data: a labelled jsonl file (split per row by ``--seed`` / ``--val-fraction``) or a directory of
+* data: a labelled jsonl file (split by row content by ``--seed`` / ``--val-fraction``: no validation input is a
+  training input; the log counts the file's repeated rows) or a directory of
   ``fullband data prepare --labelled`` (memory-mapped, its own split); the vocabulary is the data's own
   (``--tokenizer`` does not apply; ``--init-from`` must hold the same vocabulary); ``--seq-len`` bounds a row's ids
   (``<bos>`` + inputs + ``<eos>``), a longer row is refused;
@@ -83,9 +84,11 @@ class LabelledRecipe(PretrainRecipe):
     def describe(self, model):
         cfg, tr = self.cfg, self.data.info["splits"]["train"]
         n_params = sum(p.numel() for p in model.parameters())
+        dup = self.data.info.get("duplicate_rows")
+        dup = "" if dup is None else f" ({dup} rows of the file repeat an earlier row's inputs; split by content)"
         return (f"{self.name}: {n_params / 1e6:.2f}M parameters, {tr['rows']} labelled train rows ({tr['targets']:,} "
-                f"targets), {len(self.val_rows)} val rows, vocabulary {len(self.tokenizer)}; {cfg.steps} steps x "
-                f"{cfg.batch_size} rows, ")
+                f"targets), {len(self.val_rows)} val rows{dup}, vocabulary {len(self.tokenizer)}; {cfg.steps} steps "
+                f"x {cfg.batch_size} rows, ")
 
     def batch(self, step, num_passes, generator, env):
         cfg = self.cfg

@@ -39,6 +39,7 @@ from ..eval.scoring import mode_logits
 from ..model.generation import MODES as DECODE_MODES
 from ..model.generation import generate
 from ..model.modeling import FullBandwidthForCausalLM, load_model, max_positions
+from ..utils.argtypes import FRACTION, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, int_at_least
 from ..utils.io import atomic_save_pretrained
 from . import distributed as D
 from .chat import (
@@ -70,28 +71,28 @@ class SFTConfig(TrainConfig):
     config_section: ClassVar[str] = "sft"
     skip_options: ClassVar[tuple] = ("preset", "vocab_size", "data_offset", "unique_batches", "debug_nan_steps", "debug_kill_at_step")
 
-    steps: int = config_field(100, "optimizer steps (the LR and feedback schedules are fractions of this)", group="run")
+    steps: int = config_field(100, "optimizer steps (the LR and feedback schedules are fractions of this)", group="run", arg=POSITIVE_INT)
     data: str = config_field("arithmetic", "chat jsonl ({'messages': [{'role', 'content'}, ...]} a line), a folder of them, "
                    "'example' (the shipped file), or synthetic conversations: arithmetic, state, permutation, mixed",
                    group="data")
-    num_examples: int = config_field(2000, "conversations generated for a synthetic --data", group="data")
+    num_examples: int = config_field(2000, "conversations generated for a synthetic --data", group="data", arg=POSITIVE_INT)
     chat_template: str | None = config_field(None, "Jinja chat-template file (default: fullband's; 'tokenizer': keep the "
                                    "tokenizer's own)", group="data")
-    seq_len: int = config_field(256, "longest conversation in tokens (longer ones are truncated)", group="data")
+    seq_len: int = config_field(256, "longest conversation in tokens (longer ones are truncated)", group="data", arg=int_at_least(2))
     init_from: str | None = config_field(None, "the model to tune: a saved fullband model, a `fullband train` run or "
                                "checkpoint directory, or a plain HF causal-LM directory (retrofitted)", group="model")
-    lr: float | None = config_field(None, "peak learning rate (default: 3e-4)", group="optim")
+    lr: float | None = config_field(None, "peak learning rate (default: 3e-4)", group="optim", arg=POSITIVE_FLOAT)
     feedback_start: float = config_field(0.0, "fraction of the steps trained plain before feedback switches on (0: the "
-                               "checkpoint was pre-trained with feedback)", branch=True, group="feedback")
-    eval_rows: int = config_field(64, "held-out conversations used by the periodic evaluation", traj=False, group="log")
-    final_eval: int = config_field(256, "held-out conversations for the final loss per mode (0: none)", traj=False, group="log")
+                               "checkpoint was pre-trained with feedback)", branch=True, group="feedback", arg=FRACTION)
+    eval_rows: int = config_field(64, "held-out conversations used by the periodic evaluation", traj=False, group="log", arg=POSITIVE_INT)
+    final_eval: int = config_field(256, "held-out conversations for the final loss per mode (0: none)", traj=False, group="log", arg=NONNEG_INT)
     eval_exact: bool = config_field(True, "include the exact token-by-token recurrence in the final evaluation", traj=False,
                           group="log")
     gen_eval: int = config_field(32, "held-out conversations answered greedily at the end, per decode mode (0: none)",
-                       traj=False, group="log")
+                       traj=False, group="log", arg=NONNEG_INT)
     gen_modes: str = config_field("auto", "decode modes of --gen-eval, comma-separated (auto: standard, plus the model's "
                         "default feedback mode when it was trained with feedback)", traj=False, group="log")
-    max_new_tokens: int = config_field(96, "longest greedy reply of --gen-eval", traj=False, group="log")
+    max_new_tokens: int = config_field(96, "longest greedy reply of --gen-eval", traj=False, group="log", arg=POSITIVE_INT)
 
     def validate(self, world_size: int = 1) -> SFTConfig:
         if self.init_from is None:
