@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-share-prefix", action="store_true",
                    help="train the FBT model from scratch instead of branching it off the baseline at the feedback start")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--jobs", type=int, default=None,
+    p.add_argument("--jobs", type=POSITIVE_INT, default=None,
                    help="processes that train the independent runs side by side, one thread each (default: the "
                         "cores this process may use, at most the number of runs; 1 on a GPU). Every run trains and "
                         "is scored at one thread, so the numbers do not depend on --jobs or on the core count")
