@@ -13,7 +13,9 @@ step ``(step, K)`` (``batch``), the periodic evaluation (``evaluate``) and what 
   fusion-only phase (:class:`fullband.training.schedule.SwitchOn`), forward + backward over the micro-batches
   (gradient accumulation, no all-reduce before the last), the guard, gradient clipping (global or per group),
   the optimizer step, the metrics record;
-* ``after_step``: periodic evaluation, atomic checkpoints (only of good states), the stop on too many bad steps;
+* ``after_step``: periodic evaluation, atomic checkpoints (only of good states), the stop on too many bad steps
+  (the last good step saved then: :meth:`Trainer.snapshot` keeps what a skipped step advances -- RNG streams,
+  guard, token count -- as it was after each good step; a skipped step leaves the model and optimizer as they were);
 * ``finish``: the final model through the recipe, ``curves.png``, ``summary.json``.
 
 The loop is deterministic given the config and the step: a run killed and resumed from a checkpoint logs the same
@@ -47,6 +49,7 @@ from .checkpoint import (
     load_checkpoint,
     prepare_out,
     restore_model,
+    rng_state,
     save_checkpoint,
     set_rng_state,
 )
@@ -211,6 +214,8 @@ class Trainer:
         self.elapsed_before = 0.0
         self.t_start = time.perf_counter()
         self.last_ckpt = None
+        self.good_state = None  # what the last good step left (:meth:`snapshot`): saved when the guard stops the run
+        self.stopped = None  # {"step", "last_good", "reason"} of a run the guard stopped
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -254,6 +259,7 @@ class Trainer:
         if restored is not None:
             self.restore(restored)
             self.last_ckpt = ckpt
+            self.good_state = self.snapshot(self.start)  # a resumed run's start is a good state
         D.barrier(env)
 
     def restore(self, restored: dict) -> None:
@@ -400,11 +406,7 @@ class Trainer:
                 log.write(note)
                 log.record({"step": done, "split": "event", "event": "guard_rebased", "reason": note})
             elif guard.bad_in_row >= cfg.max_bad_steps:
-                message = (f"stopped after {guard.bad_in_row} bad steps in a row at step {done}; "
-                           + (f"last good checkpoint: {self.last_ckpt}" if self.last_ckpt
-                              else "no checkpoint was written"))
-                log.record({"step": done, "split": "event", "event": "stopped", "reason": message})
-                return message
+                return self.stop(done, reason)
         if done % self.eval_every == 0 or done == cfg.steps:
             val = self.recipe.evaluate(D.unwrap(self.model), done, self.fb_start, self.env)
             if val is not None:
@@ -416,19 +418,48 @@ class Trainer:
                 self.last_ckpt = self.save(done)
             else:  # only good states are checkpointed
                 log.write(f"step {done}: no checkpoint while steps are being skipped")
+        if reason is None:
+            self.good_state = self.snapshot(done)
         if cfg.debug_kill_at_step is not None and done == cfg.debug_kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         return ""
 
-    def save(self, step: int) -> str:
+    def stop(self, done: int, reason: str) -> str:
+        """The guard's stop after step ``done``: the last good step saved as a checkpoint (tagged ``guard_stop``, with
+        what the run read, so that an experiment's re-run of the same run resumes there:
+        :func:`fullband.training.pretrain.stopped_checkpoint`); returns the stop message."""
+        good = self.good_state
+        if good is not None:
+            inputs = {}
+            self.recipe.summarize(inputs)  # the data and initial model the run read (its summary's fields)
+            self.last_ckpt = self.save(good["step"], good, guard_stop={"step": done, "reason": reason, **inputs})
+        last = good["step"] if good is not None else self.start
+        self.stopped = {"step": done, "last_good": last, "reason": reason}
+        message = (f"stopped after {self.guard.bad_in_row} bad steps in a row at step {done}; "
+                   + (f"last good checkpoint: {self.last_ckpt} (step {last}); continue with --resume"
+                      if self.last_ckpt else "no checkpoint was written (no good step)"))
+        self.log.record({"step": done, "split": "event", "event": "stopped", "reason": message})
+        return message
+
+    def snapshot(self, step: int) -> dict:
+        """What a checkpoint of step ``step`` needs besides the model and optimizer, as it is now (after the step):
+        a skipped step advances the RNG streams, the guard and the token count but not the weights, so this, taken
+        after every good step, and the weights as they are make the last good step's checkpoint."""
+        return {"step": step, "tokens": self.tokens, "guard": self.guard.to_dict(), "rng": rng_state(self.prefix_gen),
+                # re-measured when feedback switched on (reset_feedback): config.json of a resumed run has it too
+                "embed_rms": getattr(D.unwrap(self.model).config, "embed_rms", None)}
+
+    def save(self, step: int, snap: dict | None = None, **extra) -> str:
+        """Checkpoint ``step`` of the model and optimizer as they are, with ``snap`` (:meth:`snapshot` of that step;
+        default: taken now) and ``extra`` fields in its trainer state."""
         cfg = self.cfg
-        state = {"tokens": self.tokens, "elapsed": self.elapsed(), "world_size": self.env.world_size,
-                 "guard": self.guard.to_dict(), "config": cfg.to_dict(),
+        snap = snap if snap is not None else self.snapshot(step)
+        state = {"tokens": snap["tokens"], "elapsed": self.elapsed(), "world_size": self.env.world_size,
+                 "guard": snap["guard"], "config": cfg.to_dict(),
                  "data_position": {"next_batch": step, "seed": cfg.seed}, "schedule": schedule_state(cfg, step),
-                 # re-measured when feedback switched on (reset_feedback): config.json of a resumed run has it too
-                 "embed_rms": getattr(D.unwrap(self.model).config, "embed_rms", None)}
+                 "embed_rms": snap["embed_rms"], **extra}
         return save_checkpoint(cfg.out, step, self.env, self.model, self.optimizer, self.prefix_gen, state,
-                               keep=cfg.keep_checkpoints)
+                               keep=cfg.keep_checkpoints, rng=snap["rng"])
 
     # ------------------------------------------------------------------------------------------- finish
 
@@ -437,6 +468,9 @@ class Trainer:
         summary = {"status": status, "message": message, "out": cfg.out,
                    "steps_done": cfg.steps if status == "done" else None, "checkpoint": self.last_ckpt,
                    "elapsed": self.elapsed(), "skipped_steps": self.guard.skipped}
+        if self.stopped is not None:
+            summary["stopped_at"], summary["last_good_step"] = self.stopped["step"], self.stopped["last_good"]
+            summary["stop_reason"] = self.stopped["reason"]
         if status == "done":
             self.finish(summary)
         self.recipe.summarize(summary)

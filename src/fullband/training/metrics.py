@@ -4,8 +4,8 @@ Owns :class:`MetricsLog` (rank 0's sinks: ``OUT/metrics.jsonl`` one JSON object 
 ``OUT/tb`` when installed, a tqdm progress bar with the loss per pass, LR and tokens/s; messages go to stderr
 above the bar), :func:`finite_or_none` (NaN/inf logged as ``null``), :func:`plot_run` (``OUT/curves.png``) and
 :class:`Guard` (a step whose loss or gradient norm is NaN/inf, or whose watched loss -- the mean loss of the passes
-that are trained, :func:`fullband.training.engine.trained_loss` -- exceeds ``spike_factor`` × its running average,
-is skipped; the engine stops after ``--max-bad-steps`` in a row).
+that are trained, :func:`fullband.training.engine.trained_loss` -- exceeds ``spike_factor`` × its running average
+and the running average by :data:`SPIKE_MIN_NATS`, is skipped; the engine stops after ``--max-bad-steps`` in a row).
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from tqdm.auto import tqdm
 from ..utils.io import append_jsonl
 from ..utils.plotting import plot_loss_curves
 from .checkpoint import METRICS
+
+
+# a spike must also sit this many nats above the running loss: near zero loss the ratio alone reads noise as spikes
+# (the state experiment's FBT run, trained to a loss printed as 0.000, had steps skipped as "0.000 > 3 x running 0.000");
+# a rise of under 0.1 nats a token is batch-to-batch noise at any loss level this guard watches
+SPIKE_MIN_NATS = 0.1
 
 
 def finite_or_none(x: float) -> float | None:
@@ -107,7 +113,8 @@ def plot_run(out: str, default_name: str, title: str | None = None) -> None:
 
 @dataclass
 class Guard:
-    """Skips NaN/inf and spiking steps; counts them.
+    """Skips NaN/inf and spiking steps (a watched loss above ``spike_factor`` × the running loss and above it by
+    :data:`SPIKE_MIN_NATS`); counts them.
 
     A skipped step leaves the weights as they were, so when ``n`` steps in a row spike, every one a finite loss on a
     batch of its own, the loss is the model's and not the batches': an update the guard had let through moved it (on
@@ -136,7 +143,8 @@ class Guard:
         if grad_norm is not None and not math.isfinite(grad_norm):
             return "non-finite gradient"
         if (self.spike_factor > 0 and self.ema is not None and self.good_steps >= self.warmup
-                and watched > self.spike_factor * self.ema):
+                and watched > self.spike_factor * self.ema
+                and watched - self.ema > SPIKE_MIN_NATS):
             return f"loss spike ({watched:.3f} > {self.spike_factor:g} x running {self.ema:.3f})"
         return None
 
