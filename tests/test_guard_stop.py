@@ -44,6 +44,20 @@ def test_a_spike_must_also_rise_by_an_absolute_amount():
     assert warmed(1e-4).check(float("nan"), float("nan"), None) == "non-finite loss"
 
 
+def test_a_second_spike_in_a_row_is_trained_on():
+    """The first finite spike is skipped (a bad batch, maybe); a second one in a row, on the same weights, is trained
+    on (skipping cannot repair weights); not after a non-finite step, and never a non-finite one."""
+    g = warmed(2.0)
+    spike = g.check(8.6, 8.6, None)
+    assert spike.startswith(Guard.SPIKE) and not g.trains_through(spike)
+    g.bad(8.6)
+    assert g.trains_through(g.check(8.5, 8.5, None))
+    g = warmed(2.0)
+    g.bad(float("nan"), finite_gradient=False)
+    assert not g.trains_through(g.check(8.5, 8.5, None))
+    assert not g.trains_through("non-finite loss")
+
+
 def test_a_stopped_run_saves_its_last_good_step_and_resumes_it_bitwise(data, tmp_path, capsys):
     """Steps 4-6 are NaN (``--debug-nan-steps``), ``--max-bad-steps 3``: the run stops at step 6 with no periodic
     checkpoint, saving step 3 (tagged ``guard_stop``), equal file for file to the checkpoint of a run paused after

@@ -216,6 +216,7 @@ class Trainer:
         self.last_ckpt = None
         self.good_state = None  # what the last good step left (:meth:`snapshot`): saved when the guard stops the run
         self.stopped = None  # {"step", "last_good", "reason"} of a run the guard stopped
+        self.through = False  # whether the last step was a spike trained on (Guard.trains_through)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -348,8 +349,11 @@ class Trainer:
         loss, pass_losses = stats[0], stats[1:1 + len(pass_sum)]
         watched = trained_loss(pass_losses, len(pass_losses), options.get("grad_passes") or 0)
         reason = guard.check(loss, watched, None)
+        # a finite spike on weights that already spiked another batch: the weights are the cause, and an update, not
+        # a skip, repairs them (Guard.trains_through)
+        self.through = reason is not None and guard.trains_through(reason)
         grad_norm, fusion_norm = float("nan"), None
-        if reason is None:
+        if reason is None or self.through:
             if cfg.clip_per_group:
                 grad_norm = clip_gradients(self.backbone_params, cfg.grad_clip)
                 if K > 1:
@@ -357,9 +361,14 @@ class Trainer:
                     grad_norm = math.hypot(grad_norm, fusion_norm)
             else:
                 grad_norm = clip_gradients(self.all_params, cfg.grad_clip)
-            reason = guard.check(loss, watched, grad_norm)
-        if reason is None:
+            checked = guard.check(loss, watched, grad_norm)
+            if checked is not None and not checked.startswith(Guard.SPIKE):
+                reason, self.through = checked, False  # a non-finite gradient is skipped, spike or not
+        if self.through:  # the weights leave the last good step's: save it first (once)
+            self.save_last_good(step + 1, reason)
+        if reason is None or self.through:
             optimizer.step()
+        if reason is None:
             guard.good(watched)
         else:
             guard.bad(watched, finite_gradient=reason != "non-finite gradient")
@@ -387,7 +396,7 @@ class Trainer:
         if frozen:
             rec["backbone_frozen"] = True
         if reason is not None:
-            rec["skipped"] = reason
+            rec["trained_through" if self.through else "skipped"] = reason
         self.log.record(rec)
         self.log.progress(rec, batch.tokens / dt)
         return reason
@@ -396,11 +405,12 @@ class Trainer:
         """The guard's stop, evaluation, checkpoint and test hooks after ``done`` steps; returns a stop message."""
         cfg, guard, log = self.cfg, self.guard, self.log
         if reason is not None:
-            log.write(f"step {done}: skipped ({reason}); {guard.bad_in_row} bad step(s) in a row")
+            did = "trained on (the weights spiked the step before too)" if self.through else "skipped"
+            log.write(f"step {done}: {did} ({reason}); {guard.bad_in_row} bad step(s) in a row")
             if guard.bad_in_row >= cfg.max_bad_steps and guard.level_changed():
                 n, peak = guard.bad_in_row, guard.peak
                 level = guard.rebase()
-                note = (f"step {done}: {n} steps in a row spiked on unchanged weights (mean {level:.3f}, below the "
+                note = (f"step {done}: {n} steps in a row spiked after a good step (mean {level:.3f}, below the "
                         f"level the run started from, {peak:.3f}): the model's loss moved, not the batches'; the "
                         "guard's running loss is re-based there and training goes on")
                 log.write(note)
@@ -429,10 +439,7 @@ class Trainer:
         what the run read, so that an experiment's re-run of the same run resumes there:
         :func:`fullband.training.pretrain.stopped_checkpoint`); returns the stop message."""
         good = self.good_state
-        if good is not None:
-            inputs = {}
-            self.recipe.summarize(inputs)  # the data and initial model the run read (its summary's fields)
-            self.last_ckpt = self.save(good["step"], good, guard_stop={"step": done, "reason": reason, **inputs})
+        self.save_last_good(done, reason)
         last = good["step"] if good is not None else self.start
         self.stopped = {"step": done, "last_good": last, "reason": reason}
         message = (f"stopped after {self.guard.bad_in_row} bad steps in a row at step {done}; "
@@ -440,6 +447,17 @@ class Trainer:
                       if self.last_ckpt else "no checkpoint was written (no good step)"))
         self.log.record({"step": done, "split": "event", "event": "stopped", "reason": message})
         return message
+
+    def save_last_good(self, done: int, reason: str) -> None:
+        """Checkpoint the last good step (once; the weights must still be its: only skipped steps since), tagged
+        ``guard_stop`` with the step ``done`` where the guard acted and what the run read."""
+        good = self.good_state
+        if good is None or good.get("saved"):
+            return
+        inputs = {}
+        self.recipe.summarize(inputs)  # the data and initial model the run read (its summary's fields)
+        self.last_ckpt = self.save(good["step"], good, guard_stop={"step": done, "reason": reason, **inputs})
+        good["saved"] = True
 
     def snapshot(self, step: int) -> dict:
         """What a checkpoint of step ``step`` needs besides the model and optimizer, as it is now (after the step):
