@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from fullband.training.checkpoint import find_checkpoint, load_trainer_state
 from fullband.training.config import TrainConfig
 from fullband.training.engine import run as run_recipe
 from fullband.training.engine import trained_loss
@@ -53,13 +54,19 @@ def test_a_spike_in_the_trained_passes_is_skipped_when_pass_1_has_no_gradient(da
     assert trained_loss(hit["pass_losses"], 3, 2) > 1.5 * trained_loss(before["pass_losses"], 3, 2)
     assert hit.get("skipped", "").startswith("loss spike"), hit
     assert all("skipped" not in r for r in rows[:CORRUPT_AT])
-    # the corrupted fusion stays (skipped steps do not update it), so the next step spikes too; after
+    # the corrupted fusion stays (skipped steps do not update it), so the next step spikes too: a second batch
+    # spiking on the same weights, so that step is trained on (Guard.trains_through), still counted bad; after
     # --max-bad-steps 2 finite spikes below the level the run started from the guard re-bases its running loss on
     # them (the model's loss moved: skipping cannot undo it) and the run trains on, and the fusion back down
-    assert rows[CORRUPT_AT + 1].get("skipped", "").startswith("loss spike")
+    assert "skipped" not in rows[CORRUPT_AT + 1]
+    assert rows[CORRUPT_AT + 1].get("trained_through", "").startswith("loss spike")
     events = [r for r in read_jsonl(os.path.join(tmp_path / "g", "metrics.jsonl")) if r.get("split") == "event"]
     assert [(e["step"], e["event"]) for e in events] == [(CORRUPT_AT + 2, "guard_rebased")], events
     assert summary["status"] == "done" and len(rows) == 34 and "skipped" not in rows[CORRUPT_AT + 2]
+    # before the weights left the last good step's (the trained-on spike), that step was saved
+    ckpt = find_checkpoint(str(tmp_path / "g"))
+    assert ckpt.endswith(f"step-{CORRUPT_AT:07d}")
+    assert load_trainer_state(ckpt)["guard_stop"]["step"] == CORRUPT_AT + 2
     assert trained_loss(rows[-1]["pass_losses"], 3, 2) < trained_loss(hit["pass_losses"], 3, 2)
 
 

@@ -3,7 +3,9 @@
 Every command module exposes ``add_parser(subparsers)``, which registers its sub-command and sets
 ``func`` (called with the parsed arguments; returns an exit code). Errors a user can fix (``ValueError``,
 ``FileNotFoundError``, :class:`UsageError`) print one line and exit with code 2; so does a bad option (argparse,
-:class:`Parser`: a numeric option out of the range of its :mod:`fullband.utils.argtypes` type among them).
+:class:`Parser`: a numeric option out of the range of its :mod:`fullband.utils.argtypes` type among them), and a run
+the stability guard stopped inside a command that needs it finished (:class:`TrainingStopped`: an experiment, the
+quickstart).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 
 from . import __version__
 from .utils import provenance
-from .utils.errors import UsageError
+from .utils.errors import TrainingStopped, UsageError
 
 # sub-command modules, in the order `fullband --help` lists them
 COMMAND_MODULES = [
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
         print(f"fullband {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except TrainingStopped as err:
+        print(f"fullband {args.command}: stopped: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fullband {args.command}: interrupted", file=sys.stderr)

@@ -29,7 +29,16 @@ from ..training.checkpoint import CKPT_DIR, LATEST, METRICS, TOKENIZER_DIR, step
 from ..training.checkpoint import clear_outputs as _clear_outputs
 from ..training.config import TrainConfig, make_config, same_path
 from ..training.presets import backbone_config
-from ..training.pretrain import finished, read_summary, refuse_changed_runs, train
+from ..training.pretrain import (
+    PretrainRecipe,
+    finished,
+    read_summary,
+    refuse_changed_runs,
+    require_done,
+    run_to_end,
+    stopped_checkpoint,
+    train,
+)
 from ..utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl, rewrite_jsonl
 from ..utils.provenance import provenance, provenance_line
 
@@ -184,10 +193,11 @@ def unique_tokens(cfg, corpus) -> int:
 
 def train_or_reuse(cfg, corpus, name: str | None = None) -> dict:
     """The summary of ``cfg``'s run: the finished run in ``cfg.out`` when it is this very run (same options, data
-    and initial model), else trained from scratch (check :func:`refuse_changed_runs` before)."""
+    and initial model), else trained (:func:`fullband.training.pretrain.run_to_end`: from where the stability guard
+    stopped this very run, else from scratch; check :func:`refuse_changed_runs` before)."""
     if finished(cfg, corpus):
         return read_summary(cfg.out)
-    summary = train(cfg, overwrite=True, corpus=corpus, name=name or run_name(cfg))
+    summary = run_to_end(PretrainRecipe(cfg, corpus, name or run_name(cfg)), corpus)
     check_done(summary)
     return summary
 
@@ -226,13 +236,20 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None,
     trained once: the K = 1 steps before the feedback start, and the baseline's steps before its LR schedule parts
     from ``longer_cfg``'s (:func:`branch_step`); each branch resumes from the baseline's checkpoint there. Returns
     the baseline's and FBT's summaries (and checks ``longer_cfg``'s) and the number of steps FBT shares. Finished
-    runs of the same configuration and data are reused when all are; one that differs is refused
+    runs of the same configuration and data are reused when all are, and when the stability guard stopped one
+    (:class:`fullband.utils.errors.TrainingStopped`) a re-run reuses the finished ones and resumes the stopped ones
+    from their last good step (:func:`fullband.training.pretrain.stopped_checkpoint`); one that differs is refused
     (:func:`refuse_changed_runs`) unless ``overwrite``."""
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     share = share and 0 < start < fbt_cfg.steps and base_cfg.steps == fbt_cfg.steps
     cfgs = [c for c in (base_cfg, fbt_cfg, longer_cfg) if c is not None]
     refuse_changed_runs(cfgs, corpus, overwrite)
-    if all(finished(c, corpus) for c in cfgs):
+    todo = [c for c in cfgs if not finished(c, corpus)]
+    if todo and all(stopped_checkpoint(c, corpus) for c in todo):
+        for c in todo:  # nothing to branch again: each stopped run continues from its own last good step
+            check_done(run_to_end(PretrainRecipe(c, corpus, run_name(c)), corpus))
+        todo = []
+    if not todo:
         base, fbt = (read_summary(c.out) for c in (base_cfg, fbt_cfg))
         return base, fbt, start if share else 0
     branches = [(start, fbt_cfg)] if share else []
@@ -245,29 +262,30 @@ def train_pair(base_cfg, fbt_cfg, corpus, share: bool = True, longer_cfg=None,
         names = "+".join(run_name(c) for a, c in branches if a == at)
         first = train(dataclasses.replace(base_cfg, stop_after=at), resume=resume, overwrite=not resume, corpus=corpus,
                       name=f"{run_name(base_cfg)}+{names} (shared steps)")
+        if first["status"] == "stopped":
+            require_done(first, f"{run_name(base_cfg)} (the steps it shares with {names})")
         for cfg in (c for a, c in branches if a == at):
             copy_branch(base_cfg.out, cfg.out, first["checkpoint"], at)
         resume = True
-    base = train(base_cfg, resume=resume, overwrite=not resume, corpus=corpus, name=run_name(base_cfg))
-    fbt = train(fbt_cfg, resume=share, overwrite=not share, corpus=corpus, name=run_name(fbt_cfg))
-    summaries = [base, fbt]
+    base = check_done(train(base_cfg, resume=resume, overwrite=not resume, corpus=corpus, name=run_name(base_cfg)))
+    fbt = check_done(train(fbt_cfg, resume=share, overwrite=not share, corpus=corpus, name=run_name(fbt_cfg)))
     if longer_cfg is not None:
         branched = any(cfg is longer_cfg for _, cfg in branches)
-        summaries.append(train(longer_cfg, resume=branched, overwrite=not branched, corpus=corpus,
-                               name=run_name(longer_cfg)))
-    for s in summaries:
-        check_done(s)
+        check_done(train(longer_cfg, resume=branched, overwrite=not branched, corpus=corpus, name=run_name(longer_cfg)))
     return base, fbt, start if share else 0
 
 
 def run_name(cfg) -> str:
-    return os.path.basename(os.path.normpath(cfg.out))
+    """The run's directory name (``cfg``: a config, or a run's summary)."""
+    return os.path.basename(os.path.normpath(cfg["out"] if isinstance(cfg, dict) else cfg.out))
 
 
-def check_done(summary: dict) -> None:
-    if summary["status"] != "done":
-        raise RuntimeError(f"training did not finish: {summary['message']}")
+def check_done(summary: dict) -> dict:
+    """``summary``, its finished run's checkpoints removed; :class:`fullband.utils.errors.TrainingStopped` for a run
+    the stability guard stopped (its checkpoint kept: a re-run resumes there)."""
+    require_done(summary, run_name(summary))
     shutil.rmtree(os.path.join(summary["out"], "checkpoints"), ignore_errors=True)
+    return summary
 
 
 # ============================================================================================== interpolation

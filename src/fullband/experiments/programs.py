@@ -289,16 +289,9 @@ def init_backbone(args, tokenizer, depth: int) -> str:
 
 def train_all(args, arms: dict, names: list[str], data: SeedData, say) -> tuple[dict, dict]:
     """Train (or reuse) every arm of one seed; ``({name: (cfg, seconds, FLOPs)}, {name: its training rows})``. A run
-    the stability guard stopped is a one-line error (the finished arms are kept and reused by the next invocation)."""
-    try:
-        return _train_all(args, arms, names, data, say)
-    except RuntimeError as err:
-        if "training did not finish" not in str(err):
-            raise
-        raise ValueError(f"{err} (seed {args.seed}); try a lower --lr") from None
-
-
-def _train_all(args, arms: dict, names: list[str], data: SeedData, say) -> tuple[dict, dict]:
+    the stability guard stopped is a one-line error naming the arm, its run directory (the seed) and the step
+    (:class:`fullband.utils.errors.TrainingStopped`); the finished arms are kept and reused, the stopped one resumed
+    from its last good step, by the next invocation."""
     out, corpora = {}, {}
     for name in (n for n in names if n not in CONTROL_ARMS):
         cfg, elapsed = train_arm(args, arms[name], data.train, say, LabelledRecipe, TAG)

@@ -65,7 +65,7 @@ from ..training.config import TrainConfig
 from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.presets import get_preset
-from ..training.pretrain import build_tokenizer_and_corpus, rows_fingerprint, spread_rows, train
+from ..training.pretrain import PretrainRecipe, build_tokenizer_and_corpus, rows_fingerprint, run_to_end, spread_rows
 from ..utils.io import atomic_write_json, read_jsonl
 from .common import (
     apply_quick,
@@ -195,10 +195,7 @@ def _config(args, out: str, steps: int, seed: int, **extra) -> TrainConfig:
 
 
 def _train(cfg: TrainConfig, corpus, name: str) -> dict:
-    summary = train(cfg, overwrite=True, corpus=corpus, name=name)
-    if summary["status"] != "done":
-        raise RuntimeError(f"{name}: training did not finish: {summary['message']}")
-    return summary
+    return run_to_end(PretrainRecipe(cfg, corpus, name), corpus)
 
 
 def switch_on_stats(records: list[dict], first: int = 10) -> dict | None:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from ..eval.flops import flop_parameters, inference_flops, training_flops
 from ..eval.scoring import load_any_model
 from ..training.config import TrainConfig
-from ..training.engine import run as run_training
+from ..training.pretrain import run_to_end
 from ..utils.io import atomic_directory, read_jsonl
 from .common import finished, refuse_changed_runs
 
@@ -68,9 +68,7 @@ def train_arm(args, arm: Arm, corpus, say, recipe, tag: str) -> tuple[TrainConfi
     cfg = arm_config(args, arm, corpus)
     if not finished(cfg, corpus):  # the same options, the same problems in the same order, the same initial model
         say(f"{tag}: training {arm.name} ({cfg.steps} steps)")
-        summary = run_training(recipe(cfg, corpus, arm.name), resume=False, overwrite=True)
-        if summary["status"] != "done":
-            raise RuntimeError(f"{arm.name}: training did not finish: {summary.get('message')}")
+        run_to_end(recipe(cfg, corpus, arm.name), corpus)  # continues a run the stability guard stopped
     try:
         with open(os.path.join(cfg.out, "summary.json")) as f:
             elapsed = json.load(f).get("elapsed")

@@ -262,19 +262,20 @@ def swap_in(root: str, name: str, tmp: str) -> None:
 
 
 def save_checkpoint(out: str, step: int, env: D.DistEnv, model, optimizer, generator: torch.Generator,
-                    trainer_state: dict, keep: int = 1) -> str:
+                    trainer_state: dict, keep: int = 1, rng: dict | None = None) -> str:
     """Write checkpoint ``step`` of the run in ``out``; returns its path.
 
     Every rank calls this and writes its own RNG file into a temporary directory. An FSDP2 model is written
     ``sharded`` (every rank its own shards, :func:`fullband.training.sharded.save_sharded`: nothing gathered); any
     other ``full``, by rank 0. Rank 0 then writes ``trainer_state.json`` (last: it marks the checkpoint complete),
-    fsyncs the files, renames the directory into place and updates ``latest``.
+    fsyncs the files, renames the directory into place and updates ``latest``. ``rng``: this rank's RNG states to
+    save (:func:`rng_state`, taken earlier); default: taken now, ``generator`` the prefix-mixing stream.
     """
     layout = "sharded" if D.is_sharded(D.unwrap(model)) else "full"
     root = os.path.join(out, CKPT_DIR)
     name = step_dir_name(step)
     tmp = S.mkdtemp_everywhere(root, f".{name}.", env)
-    torch.save(rng_state(generator), os.path.join(tmp, rng_file_name(env.rank)))
+    torch.save(rng if rng is not None else rng_state(generator), os.path.join(tmp, rng_file_name(env.rank)))
     if layout == "sharded":
         S.save_sharded(tmp, model, optimizer, env)
     elif env.is_main:  # DDP replicas are equal: rank 0 alone copies them out (every rank did: 12 GB each at 1B)

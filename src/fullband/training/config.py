@@ -112,8 +112,8 @@ class TrainConfig:
     backprop_chunk: int = config_field(8, "--full-backprop: blocks of this many tokens, each recomputed in the backward (memory kept: the hidden states and keys/values of the row, plus one block's insides over the row's keys; 0: no recomputation, memory quadratic in the row length)", traj=False, group="feedback", arg=NONNEG_INT)
     pass_curriculum: float = config_field(0.0, "fraction of the feedback phase over which K climbs linearly from 2 to --num-passes (0: off)", branch=True, group="feedback", arg=FRACTION)
     # ---- stability guard
-    spike_factor: float = config_field(3.0, "skip a step whose loss (the mean of the passes it trains) exceeds this times its running average (0: off)", group="guard", arg=NONNEG_FLOAT)
-    max_bad_steps: int = config_field(5, "after this many skipped steps in a row: stop; but when every one is a finite spike and their mean is below the level the run started from (the model's loss moved: skipping cannot undo it), re-base the running loss on them and train on", traj=False, group="guard", arg=POSITIVE_INT)
+    spike_factor: float = config_field(3.0, "skip a step whose loss (the mean of the passes it trains) exceeds this times its running average and that average by 0.1 nats (0: off)", group="guard", arg=NONNEG_FLOAT)
+    max_bad_steps: int = config_field(5, "after this many bad steps in a row (skipped, or a second finite spike in a row trained on): stop; but when every one is a finite spike and their mean is below the level the run started from (the model's loss moved: skipping cannot undo it), re-base the running loss on them and train on", traj=False, group="guard", arg=POSITIVE_INT)
     # ---- evaluation and logging
     eval_every: int = config_field(0, "validation loss every N steps (0: ten times per run)", traj=False, group="log", arg=NONNEG_INT)
     eval_rows: int = config_field(32, "validation rows used by the periodic evaluation", traj=False, group="log", arg=POSITIVE_INT)

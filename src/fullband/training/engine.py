@@ -13,7 +13,9 @@ step ``(step, K)`` (``batch``), the periodic evaluation (``evaluate``) and what 
   fusion-only phase (:class:`fullband.training.schedule.SwitchOn`), forward + backward over the micro-batches
   (gradient accumulation, no all-reduce before the last), the guard, gradient clipping (global or per group),
   the optimizer step, the metrics record;
-* ``after_step``: periodic evaluation, atomic checkpoints (only of good states), the stop on too many bad steps;
+* ``after_step``: periodic evaluation, atomic checkpoints (only of good states), the stop on too many bad steps
+  (the last good step saved then: :meth:`Trainer.snapshot` keeps what a skipped step advances -- RNG streams,
+  guard, token count -- as it was after each good step; a skipped step leaves the model and optimizer as they were);
 * ``finish``: the final model through the recipe, ``curves.png``, ``summary.json``.
 
 The loop is deterministic given the config and the step: a run killed and resumed from a checkpoint logs the same
@@ -47,6 +49,7 @@ from .checkpoint import (
     load_checkpoint,
     prepare_out,
     restore_model,
+    rng_state,
     save_checkpoint,
     set_rng_state,
 )
@@ -211,6 +214,9 @@ class Trainer:
         self.elapsed_before = 0.0
         self.t_start = time.perf_counter()
         self.last_ckpt = None
+        self.good_state = None  # what the last good step left (:meth:`snapshot`): saved when the guard stops the run
+        self.stopped = None  # {"step", "last_good", "reason"} of a run the guard stopped
+        self.through = False  # whether the last step was a spike trained on (Guard.trains_through)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -254,6 +260,7 @@ class Trainer:
         if restored is not None:
             self.restore(restored)
             self.last_ckpt = ckpt
+            self.good_state = self.snapshot(self.start)  # a resumed run's start is a good state
         D.barrier(env)
 
     def restore(self, restored: dict) -> None:
@@ -346,8 +353,11 @@ class Trainer:
         loss, pass_losses = stats[0], stats[1:1 + len(pass_sum)]
         watched = trained_loss(pass_losses, len(pass_losses), options.get("grad_passes") or 0)
         reason = guard.check(loss, watched, None)
+        # a finite spike on weights that already spiked another batch: the weights are the cause, and an update, not
+        # a skip, repairs them (Guard.trains_through)
+        self.through = reason is not None and guard.trains_through(reason)
         grad_norm, fusion_norm = float("nan"), None
-        if reason is None:
+        if reason is None or self.through:
             if cfg.clip_per_group:
                 grad_norm = clip_gradients(self.backbone_params, cfg.grad_clip)
                 if K > 1:
@@ -355,9 +365,14 @@ class Trainer:
                     grad_norm = math.hypot(grad_norm, fusion_norm)
             else:
                 grad_norm = clip_gradients(self.all_params, cfg.grad_clip)
-            reason = guard.check(loss, watched, grad_norm)
-        if reason is None:
+            checked = guard.check(loss, watched, grad_norm)
+            if checked is not None and not checked.startswith(Guard.SPIKE):
+                reason, self.through = checked, False  # a non-finite gradient is skipped, spike or not
+        if self.through:  # the weights leave the last good step's: save it first (once)
+            self.save_last_good(step + 1, reason)
+        if reason is None or self.through:
             optimizer.step()
+        if reason is None:
             guard.good(watched)
         else:
             guard.bad(watched, finite_gradient=reason != "non-finite gradient")
@@ -385,7 +400,7 @@ class Trainer:
         if frozen:
             rec["backbone_frozen"] = True
         if reason is not None:
-            rec["skipped"] = reason
+            rec["trained_through" if self.through else "skipped"] = reason
         self.log.record(rec)
         self.log.progress(rec, batch.tokens / dt)
         return reason
@@ -394,21 +409,18 @@ class Trainer:
         """The guard's stop, evaluation, checkpoint and test hooks after ``done`` steps; returns a stop message."""
         cfg, guard, log = self.cfg, self.guard, self.log
         if reason is not None:
-            log.write(f"step {done}: skipped ({reason}); {guard.bad_in_row} bad step(s) in a row")
+            did = "trained on (the weights spiked the step before too)" if self.through else "skipped"
+            log.write(f"step {done}: {did} ({reason}); {guard.bad_in_row} bad step(s) in a row")
             if guard.bad_in_row >= cfg.max_bad_steps and guard.level_changed():
                 n, peak = guard.bad_in_row, guard.peak
                 level = guard.rebase()
-                note = (f"step {done}: {n} steps in a row spiked on unchanged weights (mean {level:.3f}, below the "
+                note = (f"step {done}: {n} steps in a row spiked after a good step (mean {level:.3f}, below the "
                         f"level the run started from, {peak:.3f}): the model's loss moved, not the batches'; the "
                         "guard's running loss is re-based there and training goes on")
                 log.write(note)
                 log.record({"step": done, "split": "event", "event": "guard_rebased", "reason": note})
             elif guard.bad_in_row >= cfg.max_bad_steps:
-                message = (f"stopped after {guard.bad_in_row} bad steps in a row at step {done}; "
-                           + (f"last good checkpoint: {self.last_ckpt}" if self.last_ckpt
-                              else "no checkpoint was written"))
-                log.record({"step": done, "split": "event", "event": "stopped", "reason": message})
-                return message
+                return self.stop(done, reason)
         if done % self.eval_every == 0 or done == cfg.steps:
             val = self.recipe.evaluate(D.unwrap(self.model), done, self.fb_start, self.env)
             if val is not None:
@@ -420,19 +432,56 @@ class Trainer:
                 self.last_ckpt = self.save(done)
             else:  # only good states are checkpointed
                 log.write(f"step {done}: no checkpoint while steps are being skipped")
+        if reason is None:
+            self.good_state = self.snapshot(done)
         if cfg.debug_kill_at_step is not None and done == cfg.debug_kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         return ""
 
-    def save(self, step: int) -> str:
+    def stop(self, done: int, reason: str) -> str:
+        """The guard's stop after step ``done``: the last good step saved as a checkpoint (tagged ``guard_stop``, with
+        what the run read, so that an experiment's re-run of the same run resumes there:
+        :func:`fullband.training.pretrain.stopped_checkpoint`); returns the stop message."""
+        good = self.good_state
+        self.save_last_good(done, reason)
+        last = good["step"] if good is not None else self.start
+        self.stopped = {"step": done, "last_good": last, "reason": reason}
+        message = (f"stopped after {self.guard.bad_in_row} bad steps in a row at step {done}; "
+                   + (f"last good checkpoint: {self.last_ckpt} (step {last}); continue with --resume"
+                      if self.last_ckpt else "no checkpoint was written (no good step)"))
+        self.log.record({"step": done, "split": "event", "event": "stopped", "reason": message})
+        return message
+
+    def save_last_good(self, done: int, reason: str) -> None:
+        """Checkpoint the last good step (once; the weights must still be its: only skipped steps since), tagged
+        ``guard_stop`` with the step ``done`` where the guard acted and what the run read."""
+        good = self.good_state
+        if good is None or good.get("saved"):
+            return
+        inputs = {}
+        self.recipe.summarize(inputs)  # the data and initial model the run read (its summary's fields)
+        self.last_ckpt = self.save(good["step"], good, guard_stop={"step": done, "reason": reason, **inputs})
+        good["saved"] = True
+
+    def snapshot(self, step: int) -> dict:
+        """What a checkpoint of step ``step`` needs besides the model and optimizer, as it is now (after the step):
+        a skipped step advances the RNG streams, the guard and the token count but not the weights, so this, taken
+        after every good step, and the weights as they are make the last good step's checkpoint."""
+        return {"step": step, "tokens": self.tokens, "guard": self.guard.to_dict(), "rng": rng_state(self.prefix_gen),
+                # re-measured when feedback switched on (reset_feedback): config.json of a resumed run has it too
+                "embed_rms": getattr(D.unwrap(self.model).config, "embed_rms", None)}
+
+    def save(self, step: int, snap: dict | None = None, **extra) -> str:
+        """Checkpoint ``step`` of the model and optimizer as they are, with ``snap`` (:meth:`snapshot` of that step;
+        default: taken now) and ``extra`` fields in its trainer state."""
         cfg = self.cfg
-        state = {"tokens": self.tokens, "elapsed": self.elapsed(), "world_size": self.env.world_size,
-                 "guard": self.guard.to_dict(), "config": cfg.to_dict(),
+        snap = snap if snap is not None else self.snapshot(step)
+        state = {"tokens": snap["tokens"], "elapsed": self.elapsed(), "world_size": self.env.world_size,
+                 "guard": snap["guard"], "config": cfg.to_dict(),
                  "data_position": {"next_batch": step, "seed": cfg.seed}, "schedule": schedule_state(cfg, step),
-                 # re-measured when feedback switched on (reset_feedback): config.json of a resumed run has it too
-                 "embed_rms": getattr(D.unwrap(self.model).config, "embed_rms", None)}
+                 "embed_rms": snap["embed_rms"], **extra}
         return save_checkpoint(cfg.out, step, self.env, self.model, self.optimizer, self.prefix_gen, state,
-                               keep=cfg.keep_checkpoints)
+                               keep=cfg.keep_checkpoints, rng=snap["rng"])
 
     # ------------------------------------------------------------------------------------------- finish
 
@@ -441,6 +490,9 @@ class Trainer:
         summary = {"status": status, "message": message, "out": cfg.out,
                    "steps_done": cfg.steps if status == "done" else None, "checkpoint": self.last_ckpt,
                    "elapsed": self.elapsed(), "skipped_steps": self.guard.skipped}
+        if self.stopped is not None:
+            summary["stopped_at"], summary["last_good_step"] = self.stopped["step"], self.stopped["last_good"]
+            summary["stop_reason"] = self.stopped["reason"]
         if status == "done":
             self.finish(summary)
         self.recipe.summarize(summary)

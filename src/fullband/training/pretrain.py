@@ -39,8 +39,9 @@ from ..eval.scoring import row_losses
 from ..model.configuration import FullBandwidthConfig
 from ..model.feedback import PREFIX_DRAWS, build_feedback_mask, document_starts, prefix_mixing_mask, prefix_row_seeds
 from ..model.modeling import FullBandwidthForCausalLM, load_model
+from ..utils.errors import TrainingStopped
 from ..utils.io import atomic_save_pretrained, read_jsonl
-from .checkpoint import METRICS, RUN_CONFIG, SUMMARY, model_fingerprint
+from .checkpoint import METRICS, RUN_CONFIG, SUMMARY, find_checkpoint, load_trainer_state, model_fingerprint
 from .config import DEFAULT_FUSION, TrainConfig, flag_name, same_value
 from . import distributed as D
 from .engine import Recipe, StepBatch, run
@@ -304,7 +305,12 @@ def run_differences(cfg: TrainConfig, corpus=None) -> list[str] | None:
     summary = read_summary(cfg.out)
     if summary is None or summary.get("status") != "done":
         return None
-    saved = _read_json(os.path.join(cfg.out, RUN_CONFIG))
+    return _differences(cfg, _read_json(os.path.join(cfg.out, RUN_CONFIG)), summary, corpus)
+
+
+def _differences(cfg: TrainConfig, saved, summary: dict, corpus=None) -> list[str]:
+    """:func:`run_differences` of a run whose options were ``saved`` and whose summary fields (what it read) are
+    ``summary``."""
     saved = saved if isinstance(saved, dict) else {}
     # an option the run's saved config lacks is newer than the run: it ran as that option's default says
     saved = {**type(cfg)().to_dict(), **saved}
@@ -335,6 +341,38 @@ def finished(cfg: TrainConfig, corpus=None) -> bool:
     initial model (a re-run of the experiment, or a second invocation with other arms or seeds, reuses it instead
     of training it again)."""
     return run_differences(cfg, corpus) == []
+
+
+def stopped_checkpoint(cfg: TrainConfig, corpus=None) -> str | None:
+    """The checkpoint of the last good step that the stability guard left in ``cfg.out`` when it stopped a run of
+    exactly this configuration, data and initial model (:func:`run_differences`' comparison), else ``None``."""
+    try:
+        ckpt = find_checkpoint(cfg.out) if os.path.isdir(cfg.out) else None
+        state = load_trainer_state(ckpt) if ckpt is not None else None
+    except (OSError, ValueError):  # an unreadable checkpoint is no place to resume from: the run starts over
+        return None
+    stop = state.get("guard_stop") if state is not None else None
+    return ckpt if isinstance(stop, dict) and _differences(cfg, state["config"], stop, corpus) == [] else None
+
+
+def require_done(summary: dict, name: str) -> dict:
+    """``summary`` of a finished run; :class:`fullband.utils.errors.TrainingStopped` (one line naming run ``name``, the
+    step and the checkpoint of its last good step) for a run the stability guard stopped."""
+    if summary["status"] == "stopped":
+        raise TrainingStopped(name, summary["out"], summary["stopped_at"], summary["last_good_step"],
+                              summary["checkpoint"], summary["stop_reason"])
+    if summary["status"] != "done":
+        raise RuntimeError(f"{name}: training did not finish ({summary['status']}): {summary['message']}")
+    return summary
+
+
+def run_to_end(recipe: Recipe, corpus=None) -> dict:
+    """An experiment's run of ``recipe`` (a :class:`PretrainRecipe`) to its end: continued from where the stability
+    guard stopped the same run before (:func:`stopped_checkpoint`; ``corpus``: the data it reads), else trained from
+    scratch, its directory overwritten. Returns the summary; :class:`fullband.utils.errors.TrainingStopped` when the
+    guard stops it (:func:`require_done`)."""
+    resume = stopped_checkpoint(recipe.cfg, corpus) is not None
+    return require_done(run(recipe, resume=resume, overwrite=not resume), recipe.name)
 
 
 def refuse_changed_runs(cfgs, corpus=None, overwrite: bool = False) -> None:
