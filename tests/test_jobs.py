@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from fullband.utils.errors import TrainingStopped
 from fullband.utils.jobs import default_jobs, run_jobs
 
 
@@ -31,3 +32,15 @@ def test_a_failing_unit_stops_the_others_and_raises_here():
     with pytest.raises(ValueError, match="math domain error"):
         run_jobs([(9.0, "slow", time.sleep, (120,)), (1.0, "bad", math.sqrt, (-1.0,))], jobs=2)
     assert time.perf_counter() - t < 60  # the sleeping unit was terminated, not waited for
+
+
+def _stopped(step: int) -> None:
+    raise TrainingStopped("fbt", "/runs/fbt", step, step - 1, "/runs/fbt/checkpoints/last", "loss spike")
+
+
+def test_a_run_the_guard_stops_in_a_worker_reaches_the_parent_whole():
+    """The guard's TrainingStopped (the one line the command prints) crosses the process boundary with its fields."""
+    with pytest.raises(TrainingStopped) as err:
+        run_jobs([(1.0, "a", math.sqrt, (4.0,)), (2.0, "fbt", _stopped, (7,))], jobs=2)
+    assert (err.value.name, err.value.step, err.value.last_good) == ("fbt", 7, 6)
+    assert "stopped training at step 7 (loss spike)" in str(err.value)

@@ -13,7 +13,11 @@ class TrainingStopped(Exception):
 
     def __init__(self, name: str, out: str, step: int, last_good: int, checkpoint: str | None, reason: str):
         self.name, self.out, self.step, self.last_good, self.checkpoint = name, out, step, last_good, checkpoint
+        self.reason = reason
         resume = (f"its last good step, {last_good}, is saved in {checkpoint}: the same command resumes from there"
                   if checkpoint else "it had no good step to save")
         super().__init__(f"{name} ({out}): the stability guard stopped training at step {step} ({reason}); {resume} "
                          "(finished runs are kept and reused; a lower --lr may train through)")
+
+    def __reduce__(self):  # rebuilt from its fields (a run stopped in a worker process reaches the parent whole)
+        return type(self), (self.name, self.out, self.step, self.last_good, self.checkpoint, self.reason)
