@@ -31,7 +31,9 @@ NOT_FROM = {"experiments": {"serving"}}
 ROOT_IMPORT_OK = {"eval/lm_eval_adapter.py", "serving"}
 LONG_OK = {"model/generation.py": "decode modes, the HF generate() hooks and the lean loop share their helpers",
            "model/modeling.py": "the model class: its checks, the K-pass forward (with its long-recurrence, loss and "
-                                "exact-states options) and the exact recurrence, each written once"}
+                                "exact-states options) and the exact recurrence, each written once",
+           "training/engine.py": "the Trainer of small steps (setup, step, after_step, finish) with the guard's stop "
+                                 "and its last-good-step checkpoint, which read and write the Trainer's own state"}
 
 
 def modules():

@@ -159,5 +159,6 @@ def test_quickstart_gives_the_same_results_in_one_process_and_in_two(data, tmp_p
     threads = torch.get_num_threads()
     one = _run([*COMMANDS["quickstart"], "--jobs", "1"], tmp_path / "one", capsys)
     two = _run([*COMMANDS["quickstart"], "--jobs", "2"], tmp_path / "two", capsys)
+    assert (one.pop("jobs"), two.pop("jobs")) == (1, 2)
     assert first_difference(one, two) is None, first_difference(one, two)
     assert one["threads"] == two["threads"] == 1 and torch.get_num_threads() == threads

@@ -85,8 +85,7 @@ def _configs(args):
     return base, fbt
 
 
-# what the running-state part costs at its default 900 steps, in plain language-model steps of the default size
-# (measured at one thread: its three arms trained and scored in about the time of 230 such steps)
+# the running-state part's cost at 900 steps in default plain steps (one thread: trained and scored in about 230)
 STATE_COST = 230.0
 
 
@@ -291,8 +290,7 @@ def _run_quickstart(args) -> dict:
                      (epochs_run, corpus, "baseline-epochs (FBT's unique rows for its training FLOPs)")))
     if not args.no_state:
         work.append((STATE_COST * args.state_steps / 900, "running-state part", run_state_part, (args,)))
-    say(f"quickstart: training {len(work)} units ({', '.join(w[1] for w in work)}) in {min(args.jobs, len(work))} "
-        "one-thread process(es)")
+    say(f"quickstart: training {len(work)} units ({', '.join(w[1] for w in work)}), {args.jobs} at a time")
     t = time.perf_counter()
     done = run_jobs(work, args.jobs, say)
     t_train = time.perf_counter() - t

@@ -43,23 +43,9 @@ from .generation import FeedbackGenerationMixin
 from .lm_loss import check_chunkable, chunked_lm_loss, z_loss_from_logits
 from .objective import combine_pass_losses
 from .outputs import FullBandwidthOutput
-from .sharding import embedding_rms, gathered_once
+from .sharding import embedding_rms, gathered_once, without_dropout
 
 StateHook = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-@contextlib.contextmanager
-def without_dropout(module: torch.nn.Module):
-    """Every sub-module of ``module`` in evaluation mode for the scope (no dropout), each back to its own mode after
-    (a module left in evaluation mode on purpose stays so)."""
-    modes = [(m, m.training) for m in module.modules()]
-    for m, _ in modes:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 def _zero_unscored(terms: list) -> list:
@@ -324,8 +310,9 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         rounding), each next one fed the one before (the gradient flows through these N passes and their chain of
         states, not through the token-by-token pass). It equals ``num_passes = T + 1 + N, grad_passes = N`` (the
         passes without gradient reach the exact states at pass T + 1) at the cost of one forward without the LM head
-        (the token-by-token pass: T sequential one-token calls) plus N gradient passes, whatever T. Every pass's loss is the exact recurrence's; ``loss`` is their mean (there is
-        no plain pass, so ``feedback_weight`` does not apply: ``fullband train`` refuses a λ or its ramp here) and ``pass_losses`` has N entries. It takes no
+        (the token-by-token pass: T sequential one-token calls) plus N gradient passes, whatever T. Every pass's
+        loss is the exact recurrence's; ``loss`` is their mean (no plain pass, so ``feedback_weight`` does not apply:
+        ``fullband train`` refuses a λ or its ramp here) and ``pass_losses`` has N entries. It takes no
         ``prev_hidden``, ``cache``, ``grad_passes`` or ``pass_tol``.
 
         Full backpropagation through the recurrence: ``full_backprop=True`` (with ``num_passes=1``) runs the

@@ -1,6 +1,8 @@
-"""The model's parameters when FSDP2 shards them: what the model layer must do differently there.
+"""The model's parameters when FSDP2 shards them: what the model layer must do differently there; and the scopes
+the token-by-token pass runs in.
 
-Owns :func:`gathered_once` (the token-by-token recurrence calls each decoder layer once a token: every sharded layer
+Owns :func:`without_dropout` (every sub-module in evaluation mode for a scope, each back to its own mode after: the
+token pass's states are the recurrence's, not T dropout masks'), :func:`gathered_once` (the token-by-token recurrence calls each decoder layer once a token: every sharded layer
 all-gathered once for the whole pass), :func:`is_sharded` (whether FSDP2 shards any part of a model) and
 :func:`embedding_rms` (the RMS of a possibly unevenly sharded embedding matrix, by a scalar all-reduce rather than a
 gather).
@@ -13,6 +15,20 @@ import contextlib
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+
+@contextlib.contextmanager
+def without_dropout(module: torch.nn.Module):
+    """Every sub-module of ``module`` in evaluation mode for the scope (no dropout), each back to its own mode after
+    (a module left in evaluation mode on purpose stays so)."""
+    modes = [(m, m.training) for m in module.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 @contextlib.contextmanager
