@@ -78,8 +78,8 @@ COLLAPSE = 0.1
 def _configs(args):
     common = dict(steps=args.steps, seed=args.seed, preset=args.preset, seq_len=args.seq_len,
                   batch_size=args.batch_size, vocab_size=args.vocab_size, feedback_start=args.feedback_start,
-                  progress=not args.no_progress and args.jobs == 1, tensorboard=False, plot=False, eval_every=0, eval_rows=32,
-                  device=args.device, save_every=0)
+                  progress=not args.no_progress and args.jobs == 1, tensorboard=False, plot=False, eval_every=0,
+                  eval_rows=32, device=args.device, save_every=0)
     base = TrainConfig(out=os.path.join(args.out, "baseline"), num_passes=1, deep_passes=1, **common)
     fbt = TrainConfig(out=os.path.join(args.out, "fbt"), num_passes=args.num_passes, **common)
     return base, fbt
@@ -87,12 +87,6 @@ def _configs(args):
 
 # the running-state part's cost at 900 steps in default plain steps (one thread: trained and scored in about 230)
 STATE_COST = 230.0
-
-
-def _cost(cfg) -> float:
-    """A run's rough cost in plain steps (K passes a K-pass step after the feedback start): orders the units."""
-    start = cfg.schedule().start_step(cfg.steps) if cfg.num_passes > 1 else cfg.steps
-    return start + (cfg.steps - start) * max(1, cfg.num_passes)
 
 
 def _controls(args, fbt, vocab_size: int):
@@ -279,14 +273,16 @@ def _run_quickstart(args) -> dict:
     share = not args.no_share_prefix
     start = fbt_cfg.schedule().start_step(fbt_cfg.steps)
     flops_alone = flops_run is not None and not (share and branch_step(base_cfg, flops_run) > 0)
-    work = [(_cost(base_cfg) + _cost(fbt_cfg) - (start if share else 0) + (0 if flops_alone or flops_run is None
-             else _cost(flops_run)), "baseline + FBT", train_pair,
+    # each unit's cost in plain steps, to order them: FBT's is its FLOPs in plain steps, the controls' step count
+    fbt_cost = flops_cfg.steps
+    work = [(base_cfg.steps + fbt_cost - (start if share else 0) + (0 if flops_alone or flops_run is None
+             else flops_run.steps), "baseline + FBT", train_pair,
              (base_cfg, fbt_cfg, corpus, share, None if flops_alone else flops_run, args.overwrite))]
     if flops_alone:
-        work.append((_cost(flops_run), "baseline-flops", train_or_reuse,
+        work.append((flops_run.steps, "baseline-flops", train_or_reuse,
                      (flops_run, corpus, "baseline-flops (FBT's training FLOPs, fresh rows)")))
     if epochs_run is not None:
-        work.append((_cost(epochs_run), "baseline-epochs", train_or_reuse,
+        work.append((epochs_run.steps, "baseline-epochs", train_or_reuse,
                      (epochs_run, corpus, "baseline-epochs (FBT's unique rows for its training FLOPs)")))
     if not args.no_state:
         work.append((STATE_COST * args.state_steps / 900, "running-state part", run_state_part, (args,)))

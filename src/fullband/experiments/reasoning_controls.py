@@ -22,7 +22,7 @@ import numpy as np
 
 from ..eval.problems import PAUSE, format_prompt
 from .common import accuracy_panels, parse_settings, plain_config, recipe_from_args
-from ..utils.stats import SEEDS_THEN_ROWS
+from ..utils.stats import SEEDS_THEN_ROWS, seed_draw_counts
 from .reasoning_report import BASELINE, EPOCHS, FBT, FLOPS, INTERN, PAUSE_ARM
 
 EXACT_RECIPE = dict(num_passes=2, exact_states=True, grad_passes=2, feedback_start=0.0, deep_fraction=0.0,
@@ -161,8 +161,7 @@ def trace_savings(runs: list[dict], seeds: list[int], stages: int, seed: int, n_
     k_seeds = len(seeds)  # each resample's seed counts ([seeds, resamples + 1]; column 0: every seed once)
     counts = np.ones((k_seeds, len(draws)))
     if k_seeds > 1:
-        picks = np.random.default_rng([seed, 1]).integers(0, k_seeds, (n_resamples, k_seeds))
-        counts[:, 1:] = np.stack([np.bincount(p, minlength=k_seeds) for p in picks], axis=1)
+        counts[:, 1:] = seed_draw_counts(np.random.default_rng([seed, 1]), k_seeds, n_resamples)
 
     def pooled(x: np.ndarray) -> np.ndarray:  # [seeds, problems] -> the resampled means over seeds and problems
         return (x[:, draws].mean(axis=2) * counts).sum(axis=0) / k_seeds

@@ -4,6 +4,8 @@ decode FLOPs per verbosity, then FBT's paired differences against each plain run
 
 from __future__ import annotations
 
+from ..utils.stats import resamples_seeds
+
 BASELINE, FBT, FLOPS, EPOCHS = "baseline", "FBT", "baseline-flops", "baseline-epochs"
 PAUSE_ARM, INTERN = "baseline-pause", "baseline-internalized"
 # the kinds of comparison of FBT's modes: against which plain run (in its standard mode)
@@ -20,7 +22,7 @@ def _ci(c: dict | None, digits: int = 3) -> str:
 def _two_level(res: dict) -> bool:
     """Whether the results' paired CIs resampled the seeds too (results from before that lack the label)."""
     first = next((c["accuracy"] for c in res.get("comparisons") or [] if c.get("accuracy")), {})
-    return str(first.get("resamples", "")).startswith("seeds")
+    return resamples_seeds(first.get("resamples"))
 
 
 def tables(res: dict, full: bool = False) -> str:
@@ -121,8 +123,8 @@ def controls_text(res: dict) -> str:
                      "each kept if more accurate than every shorter one, read linearly between them; `<=`: its "
                      "shortest decode is already as accurate), and 1 - FBT's trace / that (1: never reached; "
                      f"floored at {-10:.0f}); 95% CIs by a bootstrap that draws "
-                     + ("the seeds (with replacement), then " if str(res["trace_savings"][0].get("resampled", ""))
-                        .startswith("seeds") else "")
+                     + ("the seeds (with replacement), then "
+                        if resamples_seeds(res["trace_savings"][0].get("resampled")) else "")
                      + "one set of problems per resample for every seed and decode. The goal: >= 0.15 against the "
                      "best plain model (its CI's low end).")
     return " ".join(parts)

@@ -136,6 +136,19 @@ SEEDS_THEN_ROWS = "seeds, then rows within each drawn seed"  # what a two-level 
 ROWS_WITHIN_SEEDS = "rows within each seed, not the seeds"
 
 
+def resamples_seeds(label) -> bool:
+    """Whether an interval's ``resamples`` label says it drew the seeds too (results from before the two-level
+    bootstrap have no label: ``None``, rows only)."""
+    return str(label or "").startswith("seeds")
+
+
+def seed_draw_counts(rng: np.random.Generator, n_seeds: int, n_resamples: int) -> np.ndarray:
+    """``[n_seeds, n_resamples]``: how often each seed is drawn when each resample draws ``n_seeds`` seeds with
+    replacement (the seed level of a two-level bootstrap over seeds that share their problems)."""
+    picks = rng.integers(0, n_seeds, size=(n_resamples, n_seeds))
+    return np.stack([np.bincount(p, minlength=n_seeds) for p in picks], axis=1)
+
+
 def bootstrap_ci_within_seeds(diffs_per_group: Sequence[Sequence[float]], seed: int = 0, n_resamples: int = 2000,
                               confidence: float = 0.95, resample_seeds: bool = True) -> dict:
     """Mean over groups (training seeds) of each group's mean paired difference, with a percentile-bootstrap CI,
@@ -154,9 +167,10 @@ def bootstrap_ci_within_seeds(diffs_per_group: Sequence[Sequence[float]], seed: 
     g = torch.Generator().manual_seed(seed)
     n = len(groups)
     copies = n if resample_seeds else 1
-    # row-resample means: [seed, copy, resample]
-    row_means = torch.stack([d[torch.randint(0, d.numel(), (copies, n_resamples, d.numel()), generator=g)].mean(2)
-                             for d in groups])
+    # row-resample means: [seed, copy, resample]; one copy's draws at a time (the memory of one resampling of
+    # one seed's rows, as with the seeds fixed)
+    row_means = torch.stack([torch.stack([d[torch.randint(0, d.numel(), (n_resamples, d.numel()), generator=g)].mean(1)
+                                          for _ in range(copies)]) for d in groups])
     if resample_seeds:
         drawn = torch.randint(0, n, (n, n_resamples), generator=g)  # [slot, resample]: which seed fills the slot
         slot = torch.arange(n).unsqueeze(1).expand(n, n_resamples)
@@ -175,7 +189,7 @@ def interval_scope(ci: dict, seeds: int, unit: str) -> str:
     that file's intervals are. ``unit``: what a seed's rows are (e.g. "test programs")."""
     if seeds == 1:
         return f"one seed: the 95% CI resamples its {unit}, not seeds, so it cannot hold the seed variance"
-    if str(ci.get("resamples", "")).startswith("seeds"):
+    if resamples_seeds(ci.get("resamples")):
         text = f"mean of {seeds} seeds; the 95% CI resamples the seeds, then the {unit} within each drawn seed"
         return text + (f" (with {seeds} seeds it cannot hold the seed variance)" if seeds < 3 else "")
     return f"mean of {seeds} seeds; the 95% CI resamples the {unit} within each seed, not the seeds"
@@ -280,9 +294,7 @@ def bootstrap_ci_shared_problems(diffs_per_seed: Sequence[Sequence[float]], seed
         ok = cnts > 0
         seed_means = np.where(ok, sums / np.where(ok, cnts, 1.0), 0.0)
         # how often each seed is drawn in each resample ([seeds, resamples]; all ones when the seeds are fixed)
-        weight = (np.stack([np.bincount(r, minlength=n_seeds) for r in
-                            seed_rng.integers(0, n_seeds, size=(stop - start, n_seeds))], axis=1)
-                  if two_level else np.ones_like(seed_means))
+        weight = seed_draw_counts(seed_rng, n_seeds, stop - start) if two_level else np.ones_like(seed_means)
         used = (weight * ok).sum(axis=0)
         means[start:stop] = np.where(used > 0, (weight * seed_means).sum(axis=0) / np.maximum(used, 1), np.nan)
     alpha = (1.0 - confidence) / 2.0
