@@ -4,16 +4,22 @@ resumed by the same command."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from fullband import cli
 from fullband.experiments import synthetic
 from fullband.training.checkpoint import find_checkpoint, load_trainer_state
+from fullband.training.config import TrainConfig
 from fullband.training.metrics import SPIKE_MIN_NATS, Guard
+from fullband.training.pretrain import PretrainRecipe, run_to_end, stopped_checkpoint
+from fullband.training.schedule import lr_at
+from fullband.utils.errors import TrainingStopped
 from fullband.utils.io import read_jsonl
 
 
@@ -142,3 +148,24 @@ def test_an_experiment_arm_the_guard_stops_is_one_line_and_the_rerun_reuses_and_
     again = train_rows(runs / "fbt-L")
     assert again[:2] == first[:2]  # resumed after step 2: steps 1-2 not retrained (their timings kept)
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5] and all(r.get("skipped") for r in again[2:])
+
+
+def test_the_stopped_checkpoint_is_resumed_only_by_the_same_run(data, tmp_path, capsys):
+    """The last good step the guard saves is a cache keyed as finished runs are (options, data, initial model:
+    :func:`fullband.training.pretrain.stopped_checkpoint`): the stopped run's own configuration finds it; the same
+    run at another LR, through the real path (``run_to_end``, what an experiment's re-run calls), does not resume it
+    but trains from step 1 at its own LR (its log starts over: the first step's LR is the new schedule's)."""
+    out = tmp_path / "stopped"
+    assert cli.main(args(data, str(out), "--max-bad-steps", "3")) == 3
+    capsys.readouterr()
+    same = TrainConfig(**load_trainer_state(find_checkpoint(str(out)))["config"])
+    assert stopped_checkpoint(same).endswith("step-0000003")
+    old_first = train_rows(out)[0]
+    other = dataclasses.replace(same, lr=same.resolved_lr() / 2)
+    assert stopped_checkpoint(other) is None
+    with pytest.raises(TrainingStopped) as err:  # steps 4-6 are NaN again: stopped again, at step 6
+        run_to_end(PretrainRecipe(other, None, "other-lr"))
+    assert err.value.step == 6
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[0]["lr"] == pytest.approx(lr_at(0, other)) and rows[0]["lr"] != old_first["lr"]
