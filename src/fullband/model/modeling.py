@@ -22,7 +22,6 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .cache import row_cache
 from .configuration import FullBandwidthConfig
 from .feedback import (
     GLUFusion,
@@ -34,8 +33,6 @@ from .feedback import (
     jitter,
     max_positions,
     position_ids_from_mask,
-    position_restarts,
-    positions,
     shift_right,
 )
 from .full_backprop import full_backprop_forward
@@ -43,6 +40,7 @@ from .generation import FeedbackGenerationMixin
 from .lm_loss import check_chunkable, chunked_lm_loss, z_loss_from_logits
 from .objective import combine_pass_losses
 from .outputs import FullBandwidthOutput
+from .recurrence import run_recurrence
 from .sharding import embedding_rms, gathered_once, without_dropout
 
 StateHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -95,6 +93,11 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         self.post_init()
 
     # ------------------------------------------------------------------ construction
+
+    token_step: str = "auto"
+    """How the token-by-token recurrence runs (:mod:`fullband.model.recurrence`): ``lean`` (the backbone's decoder
+    layers called directly), ``compiled`` (that step through ``torch.compile``), ``off`` (the backbone's full
+    forward at every token) or ``auto`` (lean on CPU, compiled on CUDA). The states are the same either way."""
 
     @torch.no_grad()
     def reset_feedback(self, generator: torch.Generator | None = None) -> None:
@@ -502,78 +505,8 @@ class FullBandwidthForCausalLM(FullBandwidthPreTrainedModel, FeedbackGenerationM
         runs as a sequence of its own (its own cache: the backbone's attention over the whole row keeps the samples
         apart just so), its state reset at its start; such rows fill no ``cache`` and take no ``state_hook``."""
         with without_dropout(self):
-            return self._recurrence(input_ids, attention_mask, feedback_mask, position_ids, cache, state_hook,
-                                    output_hidden_states, need_logits)
-
-    def _recurrence(self, input_ids, attention_mask, feedback_mask, position_ids, cache, state_hook,
-                    output_hidden_states, need_logits) -> FullBandwidthOutput:
-        """:meth:`recurrent_forward`'s body (the modules already in evaluation mode)."""
-        self.check_inputs(input_ids, attention_mask, None, feedback_mask)
-        B, T = input_ids.shape
-        if feedback_mask is None:
-            feedback_mask = build_feedback_mask(input_ids, attention_mask, self.doc_start_token_id,
-                                                position_ids=position_ids)
-        feedback_mask = feedback_mask.bool().to(input_ids.device)
-        if position_ids is not None and attention_mask is None:
-            restarts = position_restarts(position_ids.to(input_ids.device), B, T)
-            restarts[:, 0] = False
-            if restarts.any():
-                if cache is not None or state_hook is not None:
-                    raise ValueError("packed rows (position_ids that restart) take no cache and no state_hook in "
-                                     "recurrent_forward: run each packed sample on its own for those")
-                return self._recurrent_packed(input_ids, feedback_mask, position_ids, restarts, output_hidden_states,
-                                              need_logits)
-        if position_ids is None:
-            position_ids = positions(attention_mask, B, T, input_ids.device)
-        position_ids = position_ids.expand(B, -1)
-        token_embeds = self.get_input_embeddings()(input_ids)
-        if cache is None:
-            cache = row_cache(self.backbone.config, T)
-        all_logits, all_hidden, inputs, layers, prev = [], [], [], None, None
-        for t in range(T):
-            inp = token_embeds[:, t:t + 1]
-            if prev is not None:
-                state = state_hook(t, prev) if state_hook is not None else prev
-                inp = fuse_where(feedback_mask[:, t:t + 1], self.fuse(state, input_ids[:, t:t + 1], inp), inp)
-            logits, prev, cache, hs = self._backbone_pass(
-                inp, attention_mask[:, :t + 1] if attention_mask is not None else None,
-                position_ids[:, t:t + 1], cache=cache, use_cache=True, output_hidden_states=output_hidden_states,
-                logits_to_keep=0 if need_logits else torch.empty(0, dtype=torch.long, device=input_ids.device))
-            all_logits.append(logits)
-            all_hidden.append(prev)
-            inputs.append(inp)
-            if hs is not None:
-                layers = [[] for _ in hs] if layers is None else layers
-                for store, h in zip(layers, hs):
-                    store.append(h)
-        return FullBandwidthOutput(
-            logits=torch.cat(all_logits, 1) if need_logits else None, last_hidden_state=torch.cat(all_hidden, 1),
-            cache=cache,
-            inputs_embeds=torch.cat(inputs, 1),
-            hidden_states=tuple(torch.cat(store, 1) for store in layers) if layers is not None else None)
-
-    def _recurrent_packed(self, input_ids, feedback_mask, position_ids, restarts, output_hidden_states,
-                          need_logits=True):
-        """:meth:`recurrent_forward` of packed rows: every packed sample of every row on its own, stitched back."""
-        B, T = input_ids.shape
-        position_ids = position_ids.to(input_ids.device).reshape(-1, T).expand(B, T)
-        rows = []
-        for b in range(B):
-            cuts = [0, *restarts[b].nonzero().flatten().tolist(), T]
-            rows.append([self.recurrent_forward(input_ids[b:b + 1, s:e], None, feedback_mask[b:b + 1, s:e],
-                                                position_ids[b:b + 1, s:e], output_hidden_states=output_hidden_states,
-                                                need_logits=need_logits)
-                         for s, e in zip(cuts, cuts[1:])])
-
-        def stitch(get):
-            return torch.cat([torch.cat([get(o) for o in row], 1) for row in rows], 0)
-
-        return FullBandwidthOutput(
-            logits=stitch(lambda o: o.logits) if need_logits else None,
-            last_hidden_state=stitch(lambda o: o.last_hidden_state),
-            inputs_embeds=stitch(lambda o: o.inputs_embeds),
-            hidden_states=tuple(stitch(lambda o, i=i: o.hidden_states[i]) for i in range(len(rows[0][0].hidden_states)))
-            if output_hidden_states else None)
+            return run_recurrence(self, input_ids, attention_mask, feedback_mask, position_ids, cache, state_hook,
+                                  output_hidden_states, need_logits)
 
 
 def load_model(path: str, **kwargs):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..model.feedback import check_fusion_name
+from ..model.lean import TOKEN_STEPS
 from ..utils.argtypes import (FRACTION, NONNEG_FLOAT, NONNEG_INT, OPEN_FRACTION, POSITIVE_FLOAT, POSITIVE_INT,
                               int_at_least)
 from ..utils.errors import UsageError
@@ -124,6 +125,7 @@ class TrainConfig:
     device: str = config_field("auto", "auto, cpu, cuda or cuda:N", traj=False, group="hw")
     parallel: str = config_field("ddp", "under torchrun: ddp, or fsdp (FSDP2, for large models)", traj=False, group="hw")
     # memory and speed: the same losses up to float rounding (not part of the trajectory)
+    token_step: str = config_field("auto", "the token-by-token pass of --exact-states and exact evaluation: lean (the backbone's decoder layers called directly, keys and values in buffers allocated once), compiled (that step through torch.compile: about 20 s to start, about twice as fast per token on CPU), off (the backbone's full forward at every token), auto (lean on CPU, compiled on CUDA); the states are the same", traj=False, group="hw")
     compile: bool = config_field(False, "torch.compile the backbone's decoder layers (their attention, MLP and norms; the K-pass loop stays eager); the first steps are slow while it compiles", traj=False, group="hw")
     activation_checkpointing: bool = config_field(False, "recompute each decoder layer in the backward instead of keeping its activations (passes with gradient; less memory, about one more forward of compute)", traj=False, group="hw")
     loss_chunk: int = config_field(0, "compute each pass's loss N positions at a time from the final hidden states, each chunk's logits recomputed in the backward: no full [tokens, vocab] fp32 logits (0: off)", traj=False, group="hw", arg=NONNEG_INT)
@@ -288,6 +290,7 @@ class TrainConfig:
         need(self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         need(self.eval_rows >= 1, f"--eval-rows must be >= 1, got {self.eval_rows}")
+        need(self.token_step in TOKEN_STEPS, f"--token-step must be one of {', '.join(TOKEN_STEPS)}, got {self.token_step!r}")
         need(self.parallel in D.PARALLEL_MODES, f"--parallel must be one of {', '.join(D.PARALLEL_MODES)}, got {self.parallel!r}")
         D.resolve_device(self.device)
         need(isinstance(self.debug_nan_steps, list) and all(isinstance(s, int) for s in self.debug_nan_steps),

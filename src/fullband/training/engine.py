@@ -250,6 +250,8 @@ class Trainer:
 
         model.to(env.device).train()
         prepare_layers(model, cfg.compile, cfg.activation_checkpointing)
+        if hasattr(model, "token_step"):
+            model.token_step = cfg.token_step
         self.model = model = D.wrap_model(model, env, cfg.parallel) if env.distributed else model
         self.optimizer = build_optimizer(D.unwrap(model), cfg, env.device, D.is_sharded(D.unwrap(model)))
         self.prefix_gen = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
