@@ -17,6 +17,7 @@ import json
 import torch
 
 from ..model.generation import MODES
+from ..model.lean import TOKEN_STEPS
 from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` (vLLM), implemented there
 from ..utils.errors import UsageError
 from .bench_decode import benchmark_decode, parse_size, print_report
@@ -42,6 +43,12 @@ def _csv(kind):
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
     return parse
+
+
+def _token_step(text: str) -> str:
+    if text not in TOKEN_STEPS:
+        raise ValueError(f"unknown token step {text!r}: choose from {', '.join(TOKEN_STEPS)}")
+    return text
 
 
 def _run_decode(args) -> int:
@@ -130,6 +137,9 @@ def _add_train(sub) -> None:
                    help="with --exact N: also KT1_gN, K = seq-len + 1 teacher-forced passes with --grad-passes N "
                         "(the O(T^2) form it replaces; slow at long rows); with --full-backprop also KT1_full, "
                         "K = seq-len + 1 passes all with gradient")
+    p.add_argument("--token-steps", type=_csv(_token_step), default=["auto"], metavar="LIST",
+                   help="with --exact N: one exact_gN row per way of running the token pass, e.g. off,lean,compiled "
+                        "(before and after side by side; auto: the row exact_gN)")
     p.add_argument("--full-backprop", type=NONNEG_INT, action="append", default=None, metavar="C",
                    help="also full_cC: full backpropagation through the token-by-token recurrence in blocks of C "
                         "tokens (fullband train --full-backprop --backprop-chunk C; 0: no recomputation); repeatable")
