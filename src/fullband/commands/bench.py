@@ -6,6 +6,9 @@ Owns the ``bench`` command and the argument parsers of its sub-commands; each be
   loop against HF ``generate()``);
 * ``bench train``: :func:`fullband.commands.bench_train.benchmark_train` (a training step at K = 1, K = 2, the
   levers and the exact recurrence);
+* ``bench token``: :func:`fullband.commands.bench_token.benchmark_token` (the token-by-token pass alone, each way
+  of running it, and the exact prefill against the soft one);
+* ``bench gpu``: :func:`fullband.commands.bench_gpu.benchmark_gpu` (the prepared accelerator check);
 * ``bench serve``: :mod:`fullband.serving.benchmark` (vLLM).
 """
 
@@ -21,6 +24,11 @@ from ..model.lean import TOKEN_STEPS
 from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` (vLLM), implemented there
 from ..utils.errors import UsageError
 from .bench_decode import benchmark_decode, parse_size, print_report
+from .bench_gpu import SHAPES as GPU_SHAPES
+from .bench_gpu import __doc__ as bench_gpu_doc
+from .bench_gpu import benchmark_gpu, format_gpu
+from .bench_token import __doc__ as bench_token_doc
+from .bench_token import benchmark_token, format_token
 from .bench_train import benchmark_train, format_benchmark
 from ..utils.argtypes import NONNEG_INT, POSITIVE_INT
 
@@ -146,6 +154,48 @@ def _add_train(sub) -> None:
     p.set_defaults(func=_run)
 
 
+def _run_token(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = benchmark_token(args)
+    print(json.dumps(report, indent=2) if args.json else format_token(report))
+    return 0
+
+
+def _add_token(sub) -> None:
+    p = sub.add_parser("token", help="the token-by-token pass alone per token step, and exact vs soft prefill",
+                       description=bench_token_doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--presets", type=_csv(str), default=["micro"], help="comma list of model size presets")
+    p.add_argument("--seq-lens", type=_csv(int), default=[512], help="comma list of row lengths")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16, help="rows of the token pass")
+    p.add_argument("--vocab-size", type=POSITIVE_INT, default=4096, help="vocabulary size of the random model")
+    p.add_argument("--token-steps", type=_csv(_token_step), default=["off", "lean", "compiled"],
+                   help="the ways of running the token pass to time (auto is skipped: it is one of them)")
+    p.add_argument("--prompt-len", type=POSITIVE_INT, default=512, help="prompt of the prefill rows (batch 1)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs of each (the best counts)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=NONNEG_INT, default=0, help="CPU threads (0 = torch default)")
+    p.set_defaults(func=_run_token)
+
+
+def _run_gpu(args) -> int:
+    report = benchmark_gpu(args)
+    print(json.dumps(report, indent=2) if args.json else format_gpu(report))
+    return 0
+
+
+def _add_gpu(sub) -> None:
+    p = sub.add_parser("gpu", help="the prepared accelerator check: exactness, training MFU, decode tokens/s",
+                       description=bench_gpu_doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--size", choices=tuple(GPU_SHAPES), default="full",
+                   help="full: the GPU check's shapes; micro: the same code at a few thousand parameters (CI, CPU)")
+    p.add_argument("--out", default=None, help="also write the report here (JSON, rewritten after each section)")
+    p.set_defaults(func=_run_gpu)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="throughput benchmarks (decode, ...)",
                        description="Throughput benchmarks. `fullband bench decode --help` for decoding.")
@@ -155,6 +205,8 @@ def add_parser(sub) -> None:
     if add_train is not None:
         add_train(bench_sub)
 
+    _add_token(bench_sub)
+    _add_gpu(bench_sub)
     _add_serve(bench_sub)
 
     def _help(args) -> int:
