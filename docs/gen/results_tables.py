@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 
-from fullband.commands import bench_decode, bench_train, data_bench
+from fullband.commands import bench_decode, bench_token, bench_train, data_bench
 from fullband.experiments import (data_efficiency, depth, programs_report, quickstart, quickstart_state,
                                   reasoning_report, recipe_report, run_summaries, state_probes, state_report)
 from fullband.serving import benchmark as serve_bench
@@ -113,6 +113,11 @@ def _render_data_bench(res: dict) -> str:
     return data_bench.markdown_reports(res)
 
 
+def _render_bench_token(res: dict) -> str:
+    """Several ``fullband bench token`` reports collected by ``docs/gen/collect_runs.py``."""
+    return bench_token.markdown_reports(res)
+
+
 def _render_bench_train(res: dict) -> str:
     """Several ``fullband bench train`` reports collected by ``docs/gen/collect_runs.py``."""
     return bench_train.markdown_reports(res)
@@ -125,6 +130,7 @@ RENDERERS = {
                                           "fullband.serving.scheduling", "fullband.serving.plugin"), ()),
     "bench-decode": (_render_bench_decode, "fullband.commands.bench_decode", ()),
     "bench-train": (_render_bench_train, "fullband.commands.bench_train", ()),
+    "bench-token": (_render_bench_token, "fullband.commands.bench_token", ()),
     # data bench's numbers come from the `data prepare` and `train` subprocesses it measures
     "data-bench": (_render_data_bench, ("fullband.commands.data_bench", "fullband.data.prepare",
                                         "fullband.commands.train"), ()),

@@ -122,3 +122,12 @@ def format_token(res: dict) -> str:
         lines += [f"| {r['preset']} | {r['prompt_len']} | {r['token_step']} | {r['soft_prefill_s']:.4f} | "
                   f"{r['exact_prefill_s']:.4f} | {r['exact_prefill_vs_soft']:.1f} |" for r in res["prefill"]]
     return "\n".join(lines)
+
+
+def markdown_reports(res: dict) -> str:
+    """Several ``bench token`` reports (``docs/gen/collect_runs.py``'s ``{"reports": [{"command", "report"}]}``),
+    each table under its command."""
+    lines = []
+    for e in res["reports"]:
+        lines += [f"`{e['command']}`", "", format_token(e["report"]), ""]
+    return "\n".join(lines)
