@@ -145,3 +145,28 @@ def test_token_step_names_are_checked():
         lean.resolve_token_step("fast", torch.device("cpu"))
     assert lean.resolve_token_step("auto", torch.device("cpu")) == "lean"
     assert lean.resolve_token_step("auto", torch.device("cuda")) == "compiled"
+
+
+@pytest.mark.parametrize("mode", ["standard", "soft", "fused", "exact"])
+def test_decode_steps_run_lean_and_give_the_full_forward_loop_s_tokens_logits_and_cache(mode, monkeypatch):
+    from fullband.model.generation import generate
+
+    model = tiny_model("llama")
+    prompt = random_ids(2, 9, seed=4)
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0  # left padding
+    model.token_step = "off"
+    want = generate(model, prompt, mask, mode=mode, max_new_tokens=6, output_logits=True)
+    steps = []
+    real = lean.LeanDecoder.forward
+    monkeypatch.setattr(lean.LeanDecoder, "forward", lambda self, x: steps.append(x.shape) or real(self, x))
+    model.token_step = "lean"
+    got = generate(model, prompt, mask, mode=mode, max_new_tokens=6, output_logits=True)
+    assert steps == [torch.Size([2, 1, HIDDEN])] * 5  # every decode step after the first token went lean
+    assert torch.equal(got.sequences, want.sequences)
+    assert_close(got.logits, want.logits)
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        real_keys = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1).bool()[:, None, :, None]
+        assert_close(a.keys * real_keys, b.keys * real_keys)  # padding positions' keys are never read
+    if mode != "standard":
+        assert_close(got.cache.feedback_state, want.cache.feedback_state)

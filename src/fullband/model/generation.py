@@ -83,6 +83,7 @@ from .cache import FeedbackCache, FeedbackStateMixin, FeedbackStaticCache
 from .configuration import DECODE_MODES, has_feedback
 from .feedback import max_positions
 from .feedback import positions as position_ids_for
+from .lean import LeanDecoder
 from .outputs import FullBandwidthOutput
 
 MODES = DECODE_MODES  # ("standard", "soft", "fused", "exact"), one list with the config's validation
@@ -280,6 +281,7 @@ class _Runner:
         self.fusion = model.feedback if self.fullband else None
         self.doc_start = model.config.doc_start_token_id if self.fullband else None
         self.fast = self._fast_path_ok()
+        self.lean: LeanDecoder | None = None  # go_lean(): the decode steps through the lean token step
 
     def _fast_path_ok(self) -> bool:
         """Decode steps call the backbone's base model and LM head directly when that gives exactly what the full
@@ -298,8 +300,14 @@ class _Runner:
         _FAST_PATH[self.backbone] = ok
         return ok
 
+    def go_lean(self, cache, positions, full_mask, prompt: int) -> None:  # after the prefill, where it runs
+        self.lean = LeanDecoder.make(self.backbone, getattr(self.model, "token_step", "auto"), cache, positions,
+                                     full_mask, prompt)
+
     def forward(self, input_ids, inputs_embeds, attention_mask, position_ids, cache):
         """One backbone call; returns (last logits [B, V], last final hidden state [B, d])."""
+        if self.lean is not None:
+            return self.lean.forward(self.embed(input_ids) if inputs_embeds is None else inputs_embeds)
         if self.fast:
             h = self.base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                           position_ids=position_ids, cache=cache, use_cache=True).last_hidden_state[:, -1]
@@ -457,6 +465,7 @@ def _decode(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_p
     _sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     logits, state = runner.prefill(input_ids, attention_mask, positions[:, :P], cache)
+    runner.go_lean(cache, positions, full_mask, P)
     _sync(device)
     t1, c1 = time.perf_counter(), time.process_time()
     new = torch.empty(B, N, dtype=torch.long, device=device)
@@ -488,6 +497,8 @@ def _decode(model, input_ids, attention_mask, *, mode, max_new_tokens, prefill_p
         logits, state = runner.step(tok, state, mask, pos, cache)
     _sync(device)
     t2, c2 = time.perf_counter(), time.process_time()
+    if runner.lean is not None:
+        runner.lean.finish(cache)
     if feedback:
         cache.set_state(state)
     if streamer is not None:
@@ -556,6 +567,7 @@ def _interleaved(model, input_ids, modes, steps, cache_implementation, clock, pr
         runner = _Runner(model, resolve_mode(model, mode), prefill_passes)
         cache = _make_cache(runner, cache_implementation, P + steps + 1)
         logits, state = runner.prefill(input_ids, None, positions[:, :P], cache)
+        runner.go_lean(cache, positions, None, P)
         lanes.append([runner, cache, logits, state])
     times = {mode: [] for mode in modes}
     for i in range(steps):

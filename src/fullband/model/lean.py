@@ -275,3 +275,45 @@ def _compiled(static: bool):
         else:
             _COMPILED[static] = torch.compile(_traced("eager_step"), dynamic=True, options={"cpp_wrapper": True})
     return _COMPILED[static]
+
+
+class LeanDecoder:
+    """The lean decode loop's steps through a :class:`TokenPass` (eager): the prompt's keys and values copied in once
+    from the cache the prefill filled, then one lean step per new position; :meth:`finish` appends what the steps
+    wrote to that cache, so the call hands back the cache it always did."""
+
+    def __init__(self, stack: LeanStack, cache, positions: torch.Tensor, full_mask: torch.Tensor | None, prompt: int):
+        layers = cache.layers
+        B, cap = positions.shape
+        self.tp = TokenPass(stack, B, cap, layers[0].keys.dtype, layers[0].keys.device, compiled=False)
+        for i, layer in enumerate(layers):
+            self.tp.keys[i][:, :, :prompt] = layer.keys[:, :, :prompt]
+            self.tp.values[i][:, :, :prompt] = layer.values[:, :, :prompt]
+        self.tp.prepare(positions, full_mask.bool() if full_mask is not None else None, None)
+        self.head, self.prompt, self.t = stack.head, prompt, prompt
+
+    @classmethod
+    def make(cls, backbone, token_step: str, cache, positions, full_mask, prompt: int) -> "LeanDecoder | None":
+        """A decoder, or ``None`` where the loop keeps the backbone's forward: ``token_step`` ``off``, a backbone
+        without a lean step, or a cache whose layers do not hold the prompt's keys and values as tensors."""
+        if resolve_token_step(token_step, positions.device) == "off":
+            return None
+        stack = lean_stack(backbone)
+        layers = getattr(cache, "layers", None)
+        if stack is None or not layers or len(layers) != len(stack.layers) or any(
+                not isinstance(getattr(layer, "keys", None), torch.Tensor)
+                or layer.keys.shape[-2] < prompt for layer in layers):
+            return None
+        return cls(stack, cache, positions, full_mask, prompt)
+
+    def forward(self, inputs_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next position's input ``[B, 1, d]`` through the layers: ``(logits [B, V], final hidden state [B, d])``."""
+        h = self.tp.layers_only(inputs_embeds, self.t)[:, -1]
+        self.t += 1
+        return self.head(h), h
+
+    def finish(self, cache) -> None:
+        """Append the decoded positions' keys and values to ``cache`` (the prefill's)."""
+        for i, (k, v) in enumerate(self.tp.kv(self.t)):
+            if self.t > self.prompt:
+                cache.update(k[:, :, self.prompt:], v[:, :, self.prompt:], i)
