@@ -485,7 +485,8 @@ def test_collected_bench_train_runs_render_their_own_rows(tmp_path):
     count among the page's sources (an edit to them stamps the page STALE)."""
     cr, rt = _load("collect_runs"), _load("results_tables")
     base = "fullband bench train --json --threads 1 --preset micro --batch-size 2 --steps 1 --warmup 0 --exact 2"
-    cmds = [f"{base} --seq-len 8 --exact-reference", f"{base} --seq-len 8 --memory", f"{base} --seq-len 12"]
+    cmds = [f"{base} --seq-len 8 --exact-reference", f"{base} --seq-len 8 --memory",
+            f"{base} --seq-len 12 --token-steps off,lean"]
     assert cr.main(["--out", str(tmp_path), *cmds]) == 0
     res = json.load(open(tmp_path / "results.json"))
     assert [e["command"] for e in res["reports"]] == cmds and res["seeds"] == [0] and res["threads"] == 1
@@ -496,11 +497,14 @@ def test_collected_bench_train_runs_render_their_own_rows(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| micro | 8 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     ex, ref = timed["results"]["exact_g2"], timed["results"]["KT1_g2"]
-    assert cells[2:6] == [f"{ex['flops_vs_K1']:.2f}", f"{ref['flops_vs_K1']:.2f}", f"{ex['cpu_vs_K1']:.2f}",
+    assert cells[2:7] == ["auto", f"{ex['flops_vs_K1']:.2f}", f"{ref['flops_vs_K1']:.2f}", f"{ex['cpu_vs_K1']:.2f}",
                           f"{ref['cpu_vs_K1']:.2f}"]
-    assert cells[6] == " / ".join(f"{mem['results'][k]['peak_step_bytes'] / 2**20:,.0f}" for k in ("K1", "K2", "exact_g2"))
-    row12 = next(line for line in text.splitlines() if line.startswith("| micro | 12 |"))
-    assert "not run" in row12 and row12.split("|")[7].strip() == "-"  # no K = T + 1 case, no memory report
+    assert cells[7] == " / ".join(f"{mem['results'][k]['peak_step_bytes'] / 2**20:,.0f}" for k in ("K1", "K2", "exact_g2"))
+    rows12 = [line for line in text.splitlines() if line.startswith("| micro | 12 |")]
+    assert [r.split("|")[3].strip() for r in rows12] == ["off", "lean"]  # one row per way of running the token pass
+    for r, step in zip(rows12, ("off", "lean")):
+        assert "not run" in r and r.split("|")[8].strip() == "-"  # no K = T + 1 case, no memory report
+        assert r.split("|")[6].strip() == f"{short['results']['exact_g2_' + step]['cpu_vs_K1']:.2f}"
     assert all(f"`{c}`" in text for c in cmds)
     assert "src/fullband/commands/bench_train.py" in rt.default_sources(rt.RENDERERS["bench-train"][1])
     assert "src/fullband/commands/bench_decode.py" in rt.default_sources(rt.RENDERERS["bench-decode"][1])
