@@ -170,3 +170,35 @@ def test_decode_steps_run_lean_and_give_the_full_forward_loop_s_tokens_logits_an
         assert_close(a.keys * real_keys, b.keys * real_keys)  # padding positions' keys are never read
     if mode != "standard":
         assert_close(got.cache.feedback_state, want.cache.feedback_state)
+
+
+def test_the_static_step_cuda_graphs_compile_gives_the_eager_step_s_states():
+    """What CUDA runs (``TokenPass.static_step``: whole buffers, the position a tensor, the unwritten tail masked),
+    here uncompiled on CPU, against the eager step, with padding and packed segments."""
+    model = tiny_model("llama")
+    stack = lean.lean_stack(model.backbone)
+    B, T = 3, 14
+    ids = random_ids(B, T, seed=5)
+    embeds = model.get_input_embeddings()(ids)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[2, :4] = False
+    segments = torch.zeros(B, T, dtype=torch.long)
+    segments[1, 6:] = 1  # row 1: two packed samples
+    fuse_mask = valid.clone()
+    fuse_mask[:, 0] = fuse_mask[1, 6] = fuse_mask[2, 4] = False
+    positions = torch.arange(T).expand(B, T).clone()
+    positions[1, 6:] -= 6
+    states = {}
+    for static in (False, True):
+        tp = lean.TokenPass(stack, B, T, embeds.dtype, embeds.device, compiled=False)
+        if static:
+            tp.static, tp._graph = True, lean._traced("static_step")
+        tp.prepare(positions, valid, segments)
+        prev, out = None, []
+        with torch.no_grad():
+            for t in range(T):
+                _, h = tp.step(model, t, prev, ids, embeds, fuse_mask)
+                out.append(h.clone())
+                prev = out[-1]
+        states[static] = torch.cat(out, 1)
+    assert_close(states[True][valid], states[False][valid])
