@@ -16,6 +16,7 @@ from fullband import cli
 from fullband.experiments.data_efficiency import parse_multipliers
 from fullband.experiments.common import crossing, curve_bootstrap, loss_at
 from fullband.eval.flops import flop_parameters, training_flops
+from fullband.model.lean import lean_stack
 from fullband.training import distributed as D
 from fullband.training import engine
 from fullband.utils.io import read_jsonl
@@ -129,6 +130,7 @@ def test_recurrence_training_flops_match_a_counted_engine_step(mode, tmp_path, m
 
     def counting(model, *args, **kwargs):
         D.unwrap(model).backbone.config._attn_implementation = "eager"  # CPU SDPA is not counted
+        lean_stack(D.unwrap(model).backbone)  # the lean step's probe runs once per backbone, not per step: uncounted
         with FlopCounterMode(display=False) as counter:
             result = original(model, *args, **kwargs)
         counted.append(({str(op): n for op, n in counter.get_flop_counts()["Global"].items()},
