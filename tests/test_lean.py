@@ -202,3 +202,18 @@ def test_the_static_step_cuda_graphs_compile_gives_the_eager_step_s_states():
                 prev = out[-1]
         states[static] = torch.cat(out, 1)
     assert_close(states[True][valid], states[False][valid])
+
+
+def test_the_probe_is_taken_again_when_the_layers_or_the_attention_change():
+    model = tiny_model("llama")
+    first = lean.lean_stack(model.backbone)
+    assert lean.lean_stack(model.backbone) is first  # asked again: the cached answer
+    layers = model.backbone.model.layers
+    torch.manual_seed(9)
+    layers[0] = type(layers[0])(model.backbone.config, 0)  # replaced (other weights): the old stack would miss it
+    again = lean.lean_stack(model.backbone)
+    assert again is not first and again.layers[0] is layers[0]
+    model.backbone.config._attn_implementation = "eager"
+    assert lean.lean_stack(model.backbone) is not again  # another attention implementation: probed again
+    ids = rows_with_document_starts(2, 8)
+    assert_close(model.recurrent_forward(ids).logits, R.recurrence_logits(model, ids))

@@ -26,7 +26,7 @@ from .feedback import fuse_where
 log = logging.getLogger("fullband")
 
 TOKEN_STEPS = ("auto", "lean", "compiled", "off")
-_PROBE: "weakref.WeakKeyDictionary[nn.Module, LeanStack | None]" = weakref.WeakKeyDictionary()
+_PROBE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # backbone -> (key, stack)
 _WARNED: set = set()
 
 
@@ -73,9 +73,11 @@ def lean_stack(backbone) -> LeanStack | None:
     """The :class:`LeanStack` of ``backbone``, or ``None`` (with one log line per family) when it cannot run lean:
     no Llama-style decoder, sliding-window layers, or a probe on which the lean step's final hidden states or
     logits differ from the backbone's own forward (e.g. a model that scales its input embeddings). Checked once
-    per backbone object."""
-    if backbone in _PROBE:
-        return _PROBE[backbone]
+    per backbone object and what the answer depends on: its decoder-layer, norm and head modules (wrapped or
+    replaced, e.g. by compilation or checkpointing, they are probed again) and its attention implementation."""
+    key = _probe_key(backbone)
+    if backbone in _PROBE and _PROBE[backbone][0] == key:
+        return _PROBE[backbone][1]
     inner, reason = _why_not(backbone)
     stack = None
     if reason is None:
@@ -90,8 +92,17 @@ def lean_stack(backbone) -> LeanStack | None:
         _WARNED.add(type(backbone).__name__)
         log.info("%s runs the token-by-token pass through its full forward (no lean step: %s)",
                  type(backbone).__name__, reason)
-    _PROBE[backbone] = stack
+    _PROBE[backbone] = (key, stack)
     return stack
+
+
+def _probe_key(backbone) -> tuple:
+    """What :func:`lean_stack`'s answer depends on besides the backbone object (module identities, by ``id``)."""
+    inner = getattr(backbone, "model", None)
+    layers = tuple(map(id, getattr(inner, "layers", ()) or ()))
+    parts = tuple(id(getattr(inner, n, None)) for n in ("norm", "rotary_emb"))
+    head = backbone.get_output_embeddings() if hasattr(backbone, "get_output_embeddings") else None
+    return layers, parts, id(head), getattr(getattr(backbone, "config", None), "_attn_implementation", None)
 
 
 @torch.no_grad()
