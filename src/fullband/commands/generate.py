@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from ..model.configuration import has_feedback
 from ..model.generation import MODES, generate
+from ..model.lean import TOKEN_STEPS
 from ..model.modeling import load_model
 from ..utils.errors import UsageError
 from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT
@@ -36,6 +37,7 @@ def run(args) -> int:
     device = torch.device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = model.to(device=device, dtype=dtype).eval()
+    model.token_step = args.token_step  # the decode steps of a plain HF model follow it too
     if args.threads:
         torch.set_num_threads(args.threads)
     enc = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=not args.no_special_tokens)
@@ -84,6 +86,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to the prompt")
     p.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--token-step", choices=TOKEN_STEPS, default="auto",
+                   help="how token-by-token steps run (the exact prefill, the decode steps): lean (the backbone's "
+                        "decoder layers called directly), compiled (that step through torch.compile), off (the "
+                        "backbone's full forward), auto (lean on CPU, compiled on CUDA)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--threads", type=NONNEG_INT, default=0, help="CPU threads (0 = torch default)")
     p.set_defaults(func=run)
