@@ -119,12 +119,14 @@ def _probe(backbone, stack: LeanStack) -> str | None:
         step.prepare(torch.arange(3, device=x.device).view(1, 3), None, None)
         h = torch.cat([step.layers_only(x[:, t:t + 1], t) for t in range(3)], 1)
         want = ref.hidden_states[-1]
-        scale = want.abs().max().clamp_min(1e-6)
-        if h.shape != want.shape or float((h - want).abs().max() / scale) > 1e-4:
+        # the two paths attend through different kernels (a prefix against a causal mask): fp32 agrees to ~1e-6,
+        # bf16 / fp16 to a few units of their precision; a forward that does more (a scale) is off by O(1)
+        tol = max(1e-4, 8 * torch.finfo(x.dtype).eps)
+        if h.shape != want.shape or float((h - want).abs().max() / want.abs().max().clamp_min(1e-6)) > tol:
             return "its forward does more than its decoder layers (probe)"
         logits = stack.head(h)
         if logits.shape != ref.logits.shape or float((logits - ref.logits).abs().max()
-                                                     / ref.logits.abs().max().clamp_min(1e-6)) > 1e-4:
+                                                     / ref.logits.abs().max().clamp_min(1e-6)) > tol:
             return "its logits are not its LM head's product with the final hidden state (probe)"
     except Exception as err:  # a layer that needs more of the backbone's machinery than the lean step gives
         return f"{type(err).__name__} in the probe: {str(err).splitlines()[0] if str(err) else ''}"
