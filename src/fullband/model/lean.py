@@ -43,10 +43,10 @@ class LeanStack:
 
 
 def resolve_token_step(choice: str, device: torch.device) -> str:
-    """``auto`` on a device: ``lean`` (eager) on CPU, where compiling a new model or configuration costs 7-47 s
-    that tests and short runs never earn back (``fullband bench token``: compiled, the token pass takes 0.38-0.62
-    of the full forward's CPU time once compiled, eager 0.73-0.97), ``compiled`` on CUDA (CUDA graphs: the
-    per-token pass is launch-bound there; not measured). Anything else is returned as it is."""
+    """``auto`` on a device: ``lean`` (eager) on CPU, where compiling each new model or configuration costs seconds
+    that tests and short runs never earn back (what each costs: ``fullband bench token``,
+    ``docs/results/bench-token-step``), ``compiled`` on CUDA (CUDA graphs: the per-token pass is launch-bound
+    there; not measured). Anything else is returned as it is."""
     if choice not in TOKEN_STEPS:
         raise ValueError(f"unknown token step {choice!r}: choose one of {', '.join(TOKEN_STEPS)}")
     if choice != "auto":
@@ -282,7 +282,7 @@ _COMPILED: dict = {}
 
 def _compiled(static: bool):
     """The compiled step, once per process: static with CUDA graphs, or dynamic-shaped through inductor's C++
-    wrapper (CPU: 0.9 ms a position against 1.5 ms eager, micro, 16 rows, T = 256, 1 thread)."""
+    wrapper (on CPU the wrapper's lower per-call overhead measured faster than the Python one)."""
     if static not in _COMPILED:
         if static:
             _COMPILED[static] = torch.compile(_traced("static_step"), mode="reduce-overhead", dynamic=False)
