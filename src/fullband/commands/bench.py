@@ -111,13 +111,6 @@ def _add_train(sub) -> None:
     state (:func:`fullband.commands.bench_train.benchmark_train`). Goal (a benchmark, not a timed test):
     K=2 / K=1 <= 2.1."""
 
-    def _run(args) -> int:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        report = benchmark_train(args)
-        print(json.dumps(report, indent=2) if args.json else format_benchmark(report))
-        return 0
-
     p = sub.add_parser("train", help="training step time and tokens/s for K=1, K=2, K=2 with stop-gradient state",
                        description=_add_train.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -151,15 +144,19 @@ def _add_train(sub) -> None:
     p.add_argument("--full-backprop", type=NONNEG_INT, action="append", default=None, metavar="C",
                    help="also full_cC: full backpropagation through the token-by-token recurrence in blocks of C "
                         "tokens (fullband train --full-backprop --backprop-chunk C; 0: no recomputation); repeatable")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_report_command(benchmark_train, format_benchmark))
 
 
-def _run_token(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    report = benchmark_token(args)
-    print(json.dumps(report, indent=2) if args.json else format_token(report))
-    return 0
+def _report_command(benchmark, fmt):
+    """A ``bench`` sub-command's function: ``--threads`` applied, the benchmark run, its report printed as JSON
+    (``--json``) or through ``fmt``."""
+    def run(args) -> int:
+        if getattr(args, "threads", 0):
+            torch.set_num_threads(args.threads)
+        report = benchmark(args)
+        print(json.dumps(report, indent=2) if args.json else fmt(report))
+        return 0
+    return run
 
 
 def _add_token(sub) -> None:
@@ -176,13 +173,7 @@ def _add_token(sub) -> None:
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs of each (the best counts)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=NONNEG_INT, default=0, help="CPU threads (0 = torch default)")
-    p.set_defaults(func=_run_token)
-
-
-def _run_gpu(args) -> int:
-    report = benchmark_gpu(args)
-    print(json.dumps(report, indent=2) if args.json else format_gpu(report))
-    return 0
+    p.set_defaults(func=_report_command(benchmark_token, format_token))
 
 
 def _add_gpu(sub) -> None:
@@ -193,7 +184,7 @@ def _add_gpu(sub) -> None:
     p.add_argument("--size", choices=tuple(GPU_SHAPES), default="full",
                    help="full: the GPU check's shapes; micro: the same code at a few thousand parameters (CI, CPU)")
     p.add_argument("--out", default=None, help="also write the report here (JSON, rewritten after each section)")
-    p.set_defaults(func=_run_gpu)
+    p.set_defaults(func=_report_command(benchmark_gpu, format_gpu))
 
 
 def add_parser(sub) -> None:
