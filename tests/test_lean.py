@@ -108,6 +108,14 @@ def test_compiled_step_matches_the_equations():
     got = model.recurrent_forward(ids, attention_mask=mask).logits
     assert_close(got[0:1], R.recurrence_logits(model, ids[0:1]))
     assert_close(got[1:2, 3:], R.recurrence_logits(model, ids[1:2, 3:]))
+    # a per-vocabulary gate table taken by the compiled step (not baked into its graph): a later table, after W_G has
+    # changed, is the one used
+    for _ in range(2):
+        with torch.no_grad(), model.frozen_gate_table():
+            got = model.recurrent_forward(ids[0:1]).logits
+        assert_close(got, R.recurrence_logits(model, ids[0:1]))
+        with torch.no_grad():
+            model.feedback.gate_proj.weight.mul_(-3.0)
 
 
 def _wrapped(config):

@@ -287,11 +287,14 @@ def test_bad_steps_in_a_row_stop_and_keep_last_good_checkpoint(data, tmp_path, c
 # ----------------------------------------------------------------------------------------------- distributed
 
 
-def test_two_process_ddp_matches_single_process(data, tmp_path):
+@pytest.mark.parametrize("states", [[], ["--exact-states", "--grad-passes", "2", "--token-step", "lean"]],
+                         ids=["passes", "exact-states-lean"])
+def test_two_process_ddp_matches_single_process(data, tmp_path, states):
     """Same global batch (4 rows: 2 per process). Reduction order differs, so the losses are equal to the worst-case
     error of their sums in another order (:func:`conftest.micro_rtol`), not bitwise. Jitter is off: each process
-    draws its own jitter noise."""
-    extra = ["--feedback-start", "0.5", "--prefix-mix", "0.5", "--jitter", "0"]
+    draws its own jitter noise. Second case: the exact recurrence's states through the lean token step, whose
+    per-position passes run inside each process's DDP-wrapped model."""
+    extra = ["--feedback-start", "0.5", "--prefix-mix", "0.5", "--jitter", "0", *states]
     single = tmp_path / "single"
     assert cli.main(args(data, single, *extra, steps=4)) == 0
     ddp = tmp_path / "ddp"
