@@ -40,6 +40,7 @@ from fullband.commands import bench_decode, bench_token, bench_train, data_bench
 from fullband.experiments import (data_efficiency, depth, programs_report, quickstart, quickstart_state,
                                   reasoning_report, recipe_report, run_summaries, state_probes, state_report)
 from fullband.serving import benchmark as serve_bench
+from fullband.serving import llamacpp_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
@@ -118,6 +119,11 @@ def _render_bench_token(res: dict) -> str:
     return bench_token.markdown_reports(res)
 
 
+def _render_bench_llamacpp(res: dict) -> str:
+    """Several ``fullband bench llamacpp`` reports collected by ``docs/gen/collect_runs.py``."""
+    return llamacpp_bench.markdown_reports(res)
+
+
 def _render_bench_train(res: dict) -> str:
     """Several ``fullband bench train`` reports collected by ``docs/gen/collect_runs.py``."""
     return bench_train.markdown_reports(res)
@@ -131,6 +137,7 @@ RENDERERS = {
     "bench-decode": (_render_bench_decode, "fullband.commands.bench_decode", ()),
     "bench-train": (_render_bench_train, "fullband.commands.bench_train", ()),
     "bench-token": (_render_bench_token, "fullband.commands.bench_token", ()),
+    "bench-llamacpp": (_render_bench_llamacpp, "fullband.serving.llamacpp_bench", ()),
     # data bench's numbers come from the `data prepare` and `train` subprocesses it measures
     "data-bench": (_render_data_bench, ("fullband.commands.data_bench", "fullband.data.prepare",
                                         "fullband.commands.train"), ()),

@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "fullband.commands.quickstart",
     "fullband.commands.sft",
     "fullband.commands.generate",
+    "fullband.commands.export",
     "fullband.commands.bench",
     "fullband.commands.eval",
     "fullband.commands.reason",

@@ -9,7 +9,9 @@ Owns the ``bench`` command and the argument parsers of its sub-commands; each be
 * ``bench token``: :func:`fullband.commands.bench_token.benchmark_token` (the token-by-token pass alone, each way
   of running it, and the exact prefill against the soft one);
 * ``bench gpu``: :func:`fullband.commands.bench_gpu.benchmark_gpu` (the prepared accelerator check);
-* ``bench serve``: :mod:`fullband.serving.benchmark` (vLLM).
+* ``bench serve``: :mod:`fullband.serving.benchmark` (vLLM);
+* ``bench llamacpp``: :mod:`fullband.serving.llamacpp_bench` (the llama.cpp engine: agreement with ``generate()``,
+  decode tokens/s against plain llama.cpp).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from ..model.generation import MODES
 from ..model.lean import TOKEN_STEPS
 from ..serving.benchmark import add_bench_parser as _add_serve  # `bench serve` (vLLM), implemented there
+from ..serving.llamacpp_bench import add_bench_parser as _add_llamacpp_parser
+from ..serving.llamacpp_bench import benchmark_llamacpp, markdown_tables as format_llamacpp
 from ..utils.errors import UsageError
 from .bench_decode import benchmark_decode, parse_size, print_report
 from .bench_gpu import SHAPES as GPU_SHAPES
@@ -198,6 +202,7 @@ def add_parser(sub) -> None:
 
     _add_token(bench_sub)
     _add_gpu(bench_sub)
+    _add_llamacpp_parser(bench_sub).set_defaults(func=_report_command(benchmark_llamacpp, format_llamacpp))
     _add_serve(bench_sub)
 
     def _help(args) -> int:

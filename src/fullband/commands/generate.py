@@ -1,4 +1,6 @@
-"""``fullband generate``: stream a continuation of a prompt from a saved model in any decode mode."""
+"""``fullband generate``: stream a continuation of a prompt from a saved model in any decode mode, through PyTorch
+(:func:`fullband.model.generation.generate`) or through llama.cpp (``--engine llama.cpp``: a ``fullband export gguf``
+directory decoded by :class:`fullband.serving.llamacpp.LlamaCppEngine`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from ..model.generation import MODES, generate
 from ..model.lean import TOKEN_STEPS
 from ..model.modeling import load_model
 from ..utils.errors import UsageError
-from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT
+from ..serving.llamacpp import LlamaCppEngine
+from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FRACTION, POSITIVE_INT
 
 
 def run(args) -> int:
@@ -33,6 +36,8 @@ def run(args) -> int:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise FileNotFoundError(f"cannot load the tokenizer saved in {args.model!r}: {first}") from None
     hf_logging.disable_progress_bar()
+    if args.engine == "llama.cpp":
+        return _run_llama_cpp(args, tokenizer)
     model = load_model(args.model)
     device = torch.device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -65,12 +70,50 @@ def run(args) -> int:
     return 0
 
 
+def _run_llama_cpp(args, tokenizer) -> int:
+    """``--engine llama.cpp``: the export directory decoded by llama.cpp (one sequence, streamed)."""
+    for flag, value, default in (("--device", args.device, "cpu"), ("--dtype", args.dtype, "float32"),
+                                 ("--token-step", args.token_step, "auto"), ("--stop", args.stop, None)):
+        if value != default:
+            raise UsageError(f"{flag} is not an option of --engine llama.cpp (the GGUF's type sets the precision)")
+    engine = LlamaCppEngine(args.model, threads=args.threads or None)
+    ids = tokenizer(args.prompt, add_special_tokens=not args.no_special_tokens)["input_ids"]
+    if not ids:
+        if engine.doc_start is None:
+            raise UsageError("the prompt is empty and the model has no BOS token")
+        ids = [engine.doc_start]
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
+    if streamer is not None:
+        streamer.put(torch.tensor(ids))
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    eos = None if args.ignore_eos else tokenizer.eos_token_id
+    res = engine.generate([ids], mode=args.mode, max_new_tokens=args.max_new_tokens,
+                          prefill_passes=args.prefill_passes, do_sample=args.temperature > 0,
+                          temperature=args.temperature if args.temperature > 0 else 1.0, top_k=args.top_k,
+                          top_p=args.top_p, generator=generator, eos_token_id=eos,
+                          on_token=None if streamer is None else lambda _, tok: streamer.put(torch.tensor([tok])))
+    if streamer is None:
+        print(tokenizer.decode(ids + res.new_tokens[0], skip_special_tokens=True))
+    else:
+        streamer.end()
+    n = len(res.new_tokens[0])
+    rate = n / res.decode_seconds if res.decode_seconds > 0 else float("inf")
+    print(f"[llama.cpp {res.mode}: {n} new tokens, prefill {res.prefill_seconds * 1e3:.1f} ms, {rate:.1f} tokens/s]",
+          file=sys.stderr)
+    engine.close()
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a saved fullband model (streams tokens)",
                        description="Generate a continuation of --prompt with a saved fullband model, streaming "
                                    "tokens as they come. Decode modes: " + ", ".join(MODES) + ".",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory (save_pretrained output, with its tokenizer)")
+    p.add_argument("--model", required=True, help="model directory (save_pretrained output, with its tokenizer); "
+                                                  "with --engine llama.cpp, a `fullband export gguf` directory")
+    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch: the PyTorch decode loop; llama.cpp: the GGUF export decoded by llama.cpp "
+                        "(pip install \"fullband[llamacpp]\")")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="decode mode (default: the model's config.default_feedback_mode)")
