@@ -1,7 +1,8 @@
-"""The Feedback Transformer's algorithmic task (``fullband data make-programs``): targets, wrap, seeds, splits, CLI.
+"""The Feedback Transformer's algorithmic task (``fullband data make-programs``): targets, rules, seeds, splits, CLI,
+for both grammars (``published``, the default, and the package's earlier ``fullband`` variant).
 
-The targets are checked against an interpreter written here from the task's description (it parses the emitted
-words statement by statement and executes them), not against the generator's own bookkeeping.
+The targets are checked against interpreters written here from each grammar's description (they parse the emitted
+words statement by statement and execute them), not against the generator's own bookkeeping.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def _env_after(words):
     return env
 
 
-def make(out, *extra, rows=40, test_rows=10, statements=8):
+def make(out, *extra, rows=40, test_rows=10, statements=8, grammar="fullband"):
     return cli.main(["data", "make-programs", "--out", str(out), "--rows", str(rows), "--test-rows",
-                     str(test_rows), "--statements", str(statements), *extra])
+                     str(test_rows), "--statements", str(statements), "--grammar", grammar, *extra])
 
 
 def test_seeded_deterministic_and_held_out_programs_never_in_training(tmp_path):
@@ -157,7 +158,8 @@ def test_longer_test_programs(tmp_path):
 ])
 def test_bad_values_are_one_line_errors_and_nothing_is_written(tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    assert cli.main(["data", "make-programs", "--out", str(out), "--rows", "5", "--statements", "8", *extra]) == 2
+    assert cli.main(["data", "make-programs", "--out", str(out), "--rows", "5", "--statements", "8", "--grammar",
+                     "fullband", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not out.exists()
@@ -196,3 +198,83 @@ def test_labelled_reader_trains_and_scores_the_files(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["overlap_check"]["train_rows_compared"] == 64
     assert [r["overall"]["targets"] for r in report["results"]] == [info["splits"]["test"]["targets"]] * 2
+
+
+# ----------------------------------------------------------------------------------------------- the published grammar
+
+
+def interpret_published(words, targets):
+    """Execute one program of the published grammar, asserting its rules on the way (each variable assigned once,
+    ++ / -- inside 1..10 whether or not a conditional's body takes effect, no nested if / print, the printed value
+    never an input, END last); returns ``(printed values, targets at the prints' ';', kinds seen)``."""
+    assert words[-1] == "END" and targets[-1] is None and len(words) == len(targets)
+    env, printed, given, kinds = {}, [], [], set()
+
+    def run(st, env, nested):
+        if st[1] == "=":
+            assert st[0] not in env and len(st) == 3 and 1 <= int(st[2]) <= 10  # introduced once
+            env[st[0]] = int(st[2])
+            return "="
+        if st[1] in ("++", "--"):
+            new = env[st[0]] + (1 if st[1] == "++" else -1)
+            assert 1 <= new <= 10 and len(st) == 2  # never leaves 1..10
+            env[st[0]] = new
+            return st[1]
+        assert not nested, st
+        raise AssertionError(f"unknown statement {st}")
+
+    i = 0
+    while words[i] != "END":
+        j = words.index(";", i)
+        st = words[i:j]
+        assert all(t is None for t in targets[i:j])
+        if st[0] == "print":
+            assert len(st) == 2
+            printed.append(env[st[1]])
+            given.append(targets[j])  # the label sits at the ';'
+            kinds.add("print")
+        elif st[0] == "if":
+            assert st[2] in ("<", ">") and st[4] == ":" and st[5] not in ("if", "print")
+            bound = env[st[3]] if st[3] in env else int(st[3])
+            kinds.add("if-var" if st[3] in env else "if-number")
+            holds = env[st[1]] < bound if st[2] == "<" else env[st[1]] > bound
+            run(st[5:], env if holds else dict(env), nested=True)  # drawn in a copy when it does not hold
+        else:
+            assert targets[j] is None
+            kinds.add(run(st, env, nested=False))
+        i = j + 1
+    return printed, given, kinds
+
+
+@pytest.mark.parametrize("num_vars", [3, 5])
+def test_published_grammar_follows_its_rules_and_labels_the_printed_value_at_the_semicolon(num_vars):
+    rng, kinds, prints = random.Random(7), set(), 0
+    for _ in range(100):
+        p = P.make_published_program(rng, num_vars, 100)
+        words, targets = list(p.inputs), list(p.targets)
+        assert words.count(";") == 100 and words[1] == "="  # nothing but an assignment can come first
+        assert set(words) <= set(P.grammar_words("published", num_vars))
+        printed, given, k = interpret_published(words, targets)
+        assert given == [str(v) for v in printed]
+        assert [t for t in targets if t is not None] == given  # targets at the prints only
+        kinds |= k
+        prints += len(printed)
+    assert kinds == {"=", "++", "--", "if-var", "if-number", "print"}
+    assert 100 * 100 / 5 * 0.7 < prints < 100 * 100 / 5 * 1.3  # one kind in five (print is never redrawn once a
+    # variable exists)
+
+
+def test_published_is_the_default_and_its_files_and_refusals(tmp_path, capsys):
+    out = tmp_path / "pub"
+    assert cli.main(["data", "make-programs", "--out", str(out), "--rows", "30", "--test-rows", "10",
+                     "--statements", "12", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["grammar"] == "published" and info["variables"] == ["x", "y", "z"] and "print_fraction" not in info
+    rows = read(out / "train.jsonl")
+    assert all(r["input"].split()[-1] == "END" and r["input"].split().count(";") == 12 for r in rows)
+    test = {r["input"] for r in read(out / "test.jsonl")}
+    assert not test & {r["input"] for r in rows}
+    assert cli.main(["data", "make-programs", "--out", str(tmp_path / "x"), "--rows", "5", "--print-fraction",
+                     "0.3"]) == 2
+    assert "--print-fraction and --if-true belong to --grammar fullband" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -13,6 +13,9 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 from safetensors import safe_open
@@ -20,6 +23,7 @@ from safetensors import safe_open
 from fullband import cli
 from fullband.eval.program_tasks import Program
 from fullband.experiments import programs
+from fullband.training import pretrain
 from fullband.utils.provenance import first_difference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,10 +285,10 @@ def test_the_docs_renderer_reads_the_trimmed_results(quick):
 def test_a_test_program_in_training_is_refused(monkeypatch, tmp_path):
     real = programs.draw_programs
 
-    def leaky(seed, split, count, num_vars, statements, exclude=frozenset()):
-        drawn = real(seed, split, count, num_vars, statements, exclude)
+    def leaky(seed, split, count, num_vars, statements, exclude=frozenset(), grammar="published"):
+        drawn = real(seed, split, count, num_vars, statements, exclude, grammar)
         if split == "train":
-            drawn[3] = real(seed, "test", 1, num_vars, statements)[0]
+            drawn[3] = real(seed, "test", 1, num_vars, statements, grammar=grammar)[0]
         return drawn
 
     monkeypatch.setattr(programs, "draw_programs", leaky)
@@ -297,10 +301,10 @@ def test_a_test_program_in_training_is_refused(monkeypatch, tmp_path):
 def test_a_test_program_among_the_fresh_ones_is_refused_before_scoring(monkeypatch, tmp_path):
     real = programs.draw_programs
 
-    def leaky(seed, split, count, num_vars, statements, exclude=frozenset()):
-        drawn = real(seed, split, count, num_vars, statements, exclude)
+    def leaky(seed, split, count, num_vars, statements, exclude=frozenset(), grammar="published"):
+        drawn = real(seed, split, count, num_vars, statements, exclude, grammar)
         if split == "fresh":
-            drawn[-1] = real(seed, "test-12", 1, num_vars, 12)[0]
+            drawn[-1] = real(seed, "test-12", 1, num_vars, 12, grammar=grammar)[0]
         return drawn
 
     monkeypatch.setattr(programs, "draw_programs", leaky)
@@ -325,7 +329,8 @@ def test_held_out_check_reads_the_rows_themselves(tmp_path):
     (["--vars", "6"], "--vars must be in 1..5"),
     (["--test-statements", "6,600"], "past the backbones' 2048 positions"),
     (["--test-statements", "12"], "the training length --statements 6 must be among them"),
-    (["--test-statements", "6,3"], "--test-statements needs distinct integers >= 4"),
+    (["--test-statements", "6,1"], "--test-statements needs distinct integers >= 2"),
+    (["--grammar", "fullband", "--test-statements", "6,3"], "--test-statements needs distinct integers >= 4"),
     (["--test-statements", "6,x"], "--test-statements takes comma-separated integers"),
     (["--steps", "0"], "argument --steps: must be an integer >= 1"),
     (["--hidden", "36", "--heads", "5"], "times an even head width"),
@@ -341,3 +346,34 @@ def test_bad_options_one_line_exit_2_nothing_written(extra, message, tmp_path):
     code, stdout, err = run([*QUICK, "--out", str(out), *extra])
     assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1 and message in err, err
     assert not out.exists()
+
+
+def test_a_killed_run_continues_bit_for_bit_when_the_same_command_runs_again(tmp_path, monkeypatch):
+    """A process killed mid-run (SIGKILL at step 3 of the first arm, the exact-states FBT arm, with a checkpoint every
+    2 steps), then the same command again: it continues from step 2 and every arm's weights and every program's
+    result equal those of a run that was never interrupted."""
+    base = [*QUICK, "--arms", "fbt-L-glu-x2,baseline-L", "--save-every", "2", "--seeds", "0"]
+    clean, killed = str(tmp_path / "clean"), str(tmp_path / "killed")
+    code, _, err = run([*base, "--out", clean])
+    assert code == 0, err
+    p = subprocess.run([sys.executable, "-m", "fullband.cli", *base, "--out", killed, "--debug-kill-at-step", "3"],
+                       env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    fbt = os.path.join(killed, "seed0", "runs", "fbt-L-glu-x2")
+    assert os.path.isdir(os.path.join(fbt, "checkpoints")) and not os.path.exists(os.path.join(fbt, "summary.json"))
+    real, calls = pretrain.run, []
+    monkeypatch.setattr(pretrain, "run", lambda recipe, resume=False, overwrite=False: calls.append(
+        (recipe.name, resume)) or real(recipe, resume=resume, overwrite=overwrite))
+    code, _, err = run([*base, "--out", killed])
+    assert code == 0, err
+    assert calls == [("fbt-L-glu-x2", True), ("baseline-L", False)]  # continued, not started over
+    for arm in ("fbt-L-glu-x2", "baseline-L"):
+        a, b = (os.path.join(d, "seed0", "runs", arm) for d in (clean, killed))
+        assert open(os.path.join(a, "model.safetensors"), "rb").read() == open(os.path.join(b, "model.safetensors"),
+                                                                                "rb").read()
+        losses = [[(r["step"], r["loss"]) for r in map(json.loads, open(os.path.join(d, "metrics.jsonl")))
+                   if r.get("split") == "train"] for d in (a, b)]
+        assert losses[0] == losses[1] and len(losses[0]) == 6
+    for arm in ("fbt-L-glu-x2", "baseline-L"):
+        assert load(clean)["per_seed"]["0"][arm]["correct"] == load(killed)["per_seed"]["0"][arm]["correct"]

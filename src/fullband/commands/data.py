@@ -13,7 +13,7 @@ import json
 
 from ..data.labelled import is_labelled_file
 from ..data.prepare import prepare
-from ..eval.program_tasks import VARIABLES, write_program_files
+from ..eval.program_tasks import GRAMMARS, VARIABLES, write_program_files
 from . import labelled
 from .data_bench import add_bench_parser
 from ..utils.argtypes import (FRACTION, NONNEG_INT, OPEN_FRACTION, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT,
@@ -68,8 +68,13 @@ def add_parser(sub) -> None:
 def add_programs_parser(group) -> None:
     q = group.add_parser(
         "make-programs", help="write the Feedback Transformer's algorithmic task as labelled jsonl (train / test)",
-        description="Programs of N statements over --vars variables (x y z u v) with values 1..10: assignments "
-                    "`x = 5 ;`, `x ++ ;` / `x -- ;` (wrapping: 10 ++ is 1, 1 -- is 10), conditionals "
+        description="Programs of N statements over --vars variables with values 1..10. --grammar published "
+                    "(default: the task as Fan et al. published it with its generator): five statement kinds with "
+                    "equal weight, `x = 5 ;` only for a variable not yet assigned, `x ++ ;` / `x -- ;` never leaving "
+                    "1..10, `if x < 4 : y ++ ;` / `if x > z : y -- ;` (against a number or another variable), "
+                    "`print x ;` whose target (x's value) sits at its `;` and is never an input, `END` last. "
+                    "--grammar fullband (the package's earlier variant): assignments `x = 5 ;`, `x ++ ;` / "
+                    "`x -- ;` (wrapping: 10 ++ is 1, 1 -- is 10), conditionals "
                     "`if x == 4 : y ++ ;` and prints `print x 4 ;`. Each program opens with one assignment per "
                     "variable and ends with a print; the target is the printed value, at the position of the "
                     "variable after `print` (the value is the next input). Writes DIR/train.jsonl, DIR/test.jsonl "
@@ -77,6 +82,8 @@ def add_programs_parser(group) -> None:
                     "`fullband train --data DIR/train.jsonl` and `fullband eval labelled MODEL --data "
                     "DIR/test.jsonl`. Seeded: the same command writes the same files.")
     q.add_argument("--out", required=True, metavar="DIR", help="directory of the files")
+    q.add_argument("--grammar", choices=GRAMMARS, default="published",
+                   help="published (Fan et al.'s generator) or fullband (the earlier variant) (default: published)")
     q.add_argument("--vars", type=int_range(1, len(VARIABLES)), default=3, metavar="V",
                    help=f"variables, 1..{len(VARIABLES)} (the paper: 3 and 5; default: 3)")
     q.add_argument("--statements", type=POSITIVE_INT, default=100, metavar="N",
@@ -85,11 +92,12 @@ def add_programs_parser(group) -> None:
     q.add_argument("--test-rows", type=POSITIVE_INT, default=1000, metavar="M", help="held-out programs (default: 1000)")
     q.add_argument("--test-statements", type=POSITIVE_INT, default=None, metavar="N",
                    help="statements per test program (default: --statements; more tests beyond the training length)")
-    q.add_argument("--print-fraction", type=POSITIVE_FRACTION, default=0.2, metavar="X",
-                   help="probability that a statement after the opening assignments is a print; the others are "
-                        "=, ++, -- and if with equal probability; the last is always a print (default: 0.2)")
-    q.add_argument("--if-true", type=FRACTION, default=0.5, metavar="X",
-                   help="probability that a conditional's test holds (default: 0.5)")
+    q.add_argument("--print-fraction", type=POSITIVE_FRACTION, default=None, metavar="X",
+                   help="--grammar fullband: probability that a statement after the opening assignments is a print; "
+                        "the others are =, ++, -- and if with equal probability; the last is always a print "
+                        "(default: 0.2)")
+    q.add_argument("--if-true", type=FRACTION, default=None, metavar="X",
+                   help="--grammar fullband: probability that a conditional's test holds (default: 0.5)")
     q.add_argument("--seed", type=NONNEG_INT, default=0, metavar="N", help="seed of the programs (default: 0)")
     q.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in DIR")
     q.add_argument("--json", action="store_true", help="print DIR/programs.json (settings and counts)")
@@ -99,7 +107,7 @@ def add_programs_parser(group) -> None:
 def run_make_programs(args) -> int:
     info = write_program_files(args.out, args.vars, args.statements, args.rows, args.test_rows, seed=args.seed,
                                test_statements=args.test_statements, print_fraction=args.print_fraction,
-                               if_true=args.if_true, overwrite=args.overwrite)
+                               if_true=args.if_true, overwrite=args.overwrite, grammar=args.grammar)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ..eval.program_tasks import GRAMMARS
 from ..experiments import data_efficiency, depth, programs, reasoning, recipe, state
 from ..experiments.common import RECIPE
 from ..training.config import TrainConfig
@@ -102,9 +103,9 @@ def add_model_arguments(r, defaults: dict) -> None:
 
 
 def add_run_arguments(r, defaults: dict, kept: str) -> None:
-    """The last options of the synthetic-task experiments (``depth``, ``state``): ``--seed`` (and ``--seeds`` where
-    ``defaults`` has seeds), ``--device``, ``--quick``, ``--json`` (``kept``: what results.json keeps, e.g. per-row
-    lists)."""
+    """The last options of the synthetic-task experiments (``depth``, ``state``, ``programs``): ``--seed`` (and
+    ``--seeds`` where ``defaults`` has seeds), ``--device``, ``--save-every``, ``--quick``, ``--json`` (``kept``: what
+    results.json keeps, e.g. per-row lists)."""
     if "seeds" in defaults:
         r.add_argument("--seeds", default=None,
                        help="comma-separated training seeds, each a run of its own in OUT/seed{N}/ (a later "
@@ -113,6 +114,11 @@ def add_run_arguments(r, defaults: dict, kept: str) -> None:
     else:
         r.add_argument("--seed", type=NONNEG_INT, default=defaults["seed"], help="seed (default: %(default)s)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    r.add_argument("--save-every", type=NONNEG_INT, default=defaults.get("save_every", 0), metavar="N",
+                   help="checkpoint each run every N steps (0: only where the stability guard stops it): a process "
+                        "that ends mid-run (killed, out of time) is continued from there, bit for bit, when the same "
+                        "command runs again (default: %(default)s)")
+    r.add_argument("--debug-kill-at-step", type=POSITIVE_INT, default=None, help=argparse.SUPPRESS)  # tests
     r.add_argument("--quick", action="store_true", help="a smoke-test size (seconds)")
     r.add_argument("--json", action="store_true", help=f"print the results as JSON ({kept} lists in results.json)")
 
@@ -211,6 +217,11 @@ def add_programs_parser(ex) -> None:
                       description=programs.__doc__.split("\n\n", 1)[1],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(r, d)
+    r.add_argument("--grammar", choices=GRAMMARS, default=d["grammar"],
+                   help="published: the task as Fan et al. published it with its generator (<, > against a number "
+                        "or another variable, no wrap-around, each variable assigned once, the printed value never an "
+                        "input); fullband: the package's earlier variant (== against a number, wrap-around, the printed "
+                        "value fed as the next input) (default: %(default)s)")
     r.add_argument("--vars", type=POSITIVE_INT, default=d["vars"], help="variables, 1..5 (the paper: 3 and 5) (default: "
                                                                "%(default)s)")
     r.add_argument("--statements", type=POSITIVE_INT, default=d["statements"], metavar="N",

@@ -1,9 +1,29 @@
 """The Feedback Transformer's algorithmic task: programs over a few variables, scored on the values they print.
 
-Owns the seeded program generator, its token layout and targets, and the writer of its labelled jsonl files
-(``fullband data make-programs``: ``DIR/train.jsonl`` / ``DIR/test.jsonl`` in :mod:`fullband.data.labelled`'s row
-format, ``DIR/programs.json`` with the settings and counts), after the task of Fan et al. (2020), *Addressing some
-limitations of transformers with feedback memory*, implemented from its description:
+Owns the seeded program generators of two grammars, their token layout and targets, and the writer of their
+labelled jsonl files (``fullband data make-programs``: ``DIR/train.jsonl`` / ``DIR/test.jsonl`` in
+:mod:`fullband.data.labelled`'s row format, ``DIR/programs.json`` with the settings and counts).
+
+Grammar ``published`` (the default; :func:`make_published_program`): the task as Fan et al. (2020), *Addressing
+some limitations of transformers with feedback memory*, published it with its data generator (``gen_data_algo_seq.py``
+of facebookresearch/transformer-sequential, read, not copied; ``algorithmic_3var.sh``: 100 statements, 10,000
+training, 1,000 validation and 1,000 test programs):
+
+* variables: the first V of ``x y z p r`` (its names), values ``1`` .. ``10``;
+* each statement is one of five kinds with equal weight; a kind that cannot be drawn in the current state is drawn
+  again (the whole statement): ``x = 7 ;`` only for a variable not yet assigned (each variable is introduced once);
+  ``x ++ ;`` / ``x -- ;`` of an assigned variable, never leaving 1..10; ``print x ;`` of an assigned variable;
+  ``if x < c : S`` / ``if x > c : S`` (``<`` or ``>`` with equal probability) where ``c`` is, half the time,
+  another assigned variable (its current value is compared) and otherwise a number 1..10, and ``S`` a statement of
+  the first three kinds drawn by the same rules (no nested ``if``, no ``print``) that takes effect only when the
+  condition holds (drawn in a copy of the state otherwise);
+* ``END`` closes the program (no target); the target of ``print x ;`` is x's value at its ``;`` (the model at input t
+  predicts target t, so it reads ``print x ;`` and says the value, which is never an input). One departure: a
+  program without any print is drawn again (a labelled row needs a target); at 100 statements that is a chance of
+  about 1e-10, only short test programs meet it.
+
+Grammar ``fullband`` (:func:`make_program`; ``--grammar fullband``), the package's earlier variant, kept as a named
+option, implemented from the paper's description before the generator was read:
 
 * variables: the first V of ``x y z u v`` (V = 3 or 5 in the paper), values ``1`` .. ``10`` (one word each);
 * a program of N statements opens with one assignment per variable in order (``x = 7 ; y = 2 ; z = 10 ;``, each
@@ -47,6 +67,7 @@ LOW, HIGH = 1, 10
 VALUES = tuple(str(v) for v in range(LOW, HIGH + 1))
 BODY_KINDS = ("assign", "inc", "dec")
 KINDS = ("assign", "inc", "dec", "if", "print")
+OPERATORS = ("=", "++", "--", "if", "==", ":", "print", ";")
 FILES = ("train.jsonl", "test.jsonl")
 SETTINGS = "programs.json"
 MAX_REDRAWS = 10_000  # consecutive training draws that all fell on held-out programs: the task is (almost) covered
@@ -139,6 +160,94 @@ def make_program(rng: random.Random, num_vars: int, statements: int, print_fract
     return Program(tuple(inputs), tuple(targets))
 
 
+GRAMMARS = ("published", "fullband")
+PUBLISHED_VARIABLES = ("x", "y", "z", "p", "r")  # the published generator's names
+PUBLISHED_KINDS = ("=", "++", "--", "if", "print")  # drawn with equal weight
+PUBLISHED_OPERATORS = ("=", "++", "--", "if", "<", ">", ":", "print", ";", "END")
+
+
+class _Redraw(Exception):
+    """A statement kind that cannot be drawn in the current state: the whole statement is drawn again."""
+
+
+def _published_statement(rng: random.Random, names, values: dict, nested: bool) -> tuple[list[str], str | None]:
+    """The words (without ``;``) and the target of one statement of the published grammar; ``values`` (the assigned
+    variables, in assignment order) updated by it."""
+    while True:
+        try:
+            kind = rng.choice(PUBLISHED_KINDS)
+            if kind == "=":
+                free = [v for v in names if v not in values]
+                if not free:
+                    raise _Redraw
+                var = rng.choice(free)
+                values[var] = rng.randint(LOW, HIGH)
+                return [var, "=", str(values[var])], None
+            if not values or (nested and kind in ("if", "print")):
+                raise _Redraw
+            if kind in ("++", "--"):
+                var = rng.choice(list(values))
+                new = values[var] + (1 if kind == "++" else -1)
+                if not LOW <= new <= HIGH:
+                    raise _Redraw
+                values[var] = new
+                return [var, kind], None
+            if kind == "print":
+                var = rng.choice(list(values))
+                return ["print", var], str(values[var])
+            if rng.random() < 0.5:  # against another variable's current value
+                if len(values) < 2:
+                    raise _Redraw
+                var, other = rng.sample(list(values), 2)
+                bound, word = values[other], other
+            else:  # against a number
+                var = rng.choice(list(values))
+                bound = rng.randint(LOW, HIGH)
+                word = str(bound)
+            op = "<" if rng.random() < 0.5 else ">"
+            holds = values[var] < bound if op == "<" else values[var] > bound
+            body, _ = _published_statement(rng, names, values if holds else dict(values), nested=True)
+            return ["if", var, op, word, ":", *body], None
+        except _Redraw:
+            continue
+
+
+def make_published_program(rng: random.Random, num_vars: int, statements: int) -> Program:
+    """One program of the published grammar (the module's text): ``statements`` statements, then ``END``."""
+    if not 1 <= num_vars <= len(PUBLISHED_VARIABLES):
+        raise ValueError(f"--vars must be in 1..{len(PUBLISHED_VARIABLES)}, got {num_vars}")
+    if statements < 1:
+        raise ValueError(f"--statements must be >= 1, got {statements}")
+    names = PUBLISHED_VARIABLES[:num_vars]
+    while True:  # a program without a print has no target (a labelled row needs one): drawn again
+        values: dict[str, int] = {}
+        inputs: list[str] = []
+        targets: list[str | None] = []
+        for _ in range(statements):
+            words, target = _published_statement(rng, names, values, nested=False)
+            inputs += [*words, ";"]
+            targets += [None] * len(words) + [target]
+        if any(t is not None for t in targets):
+            return Program((*inputs, "END"), (*targets, None))
+
+
+def grammar_program(grammar: str, rng: random.Random, num_vars: int, statements: int, print_fraction: float = 0.2,
+                    if_true: float = 0.5) -> Program:
+    """One program of ``grammar`` (``published`` or ``fullband``; the options apply to ``fullband`` only)."""
+    if grammar == "published":
+        return make_published_program(rng, num_vars, statements)
+    if grammar == "fullband":
+        return make_program(rng, num_vars, statements, print_fraction, if_true)
+    raise ValueError(f"unknown grammar {grammar!r}: choose one of {', '.join(GRAMMARS)}")
+
+
+def grammar_words(grammar: str, num_vars: int) -> list[str]:
+    """Every word programs of ``grammar`` over ``num_vars`` variables can use (a fixed vocabulary)."""
+    if grammar == "published":
+        return [*PUBLISHED_VARIABLES[:num_vars], *PUBLISHED_OPERATORS, *VALUES]
+    return [*VARIABLES[:num_vars], *OPERATORS, *VALUES]
+
+
 def split_rng(seed: int, split: str) -> random.Random:
     """The generator of one split's rows (a string seed: the same stream on every machine and Python run)."""
     return random.Random(f"fullband-programs:{seed}:{split}")
@@ -186,23 +295,34 @@ def _files_at_once(out: str, names, overwrite: bool):
 
 
 def write_program_files(out: str, num_vars: int, statements: int, rows: int, test_rows: int, seed: int = 0,
-                        test_statements: int | None = None, print_fraction: float = 0.2, if_true: float = 0.5,
-                        overwrite: bool = False) -> dict:
+                        test_statements: int | None = None, print_fraction: float | None = None,
+                        if_true: float | None = None, overwrite: bool = False, grammar: str = "published") -> dict:
     """Write ``out/train.jsonl`` (``rows`` programs of ``statements``), ``out/test.jsonl`` (``test_rows`` programs
     of ``test_statements``, default ``statements``; none of them a training program) and ``out/programs.json``;
-    returns the settings and counts written to the latter."""
+    returns the settings and counts written to the latter. ``print_fraction`` / ``if_true`` (default 0.2 / 0.5)
+    belong to the ``fullband`` grammar only."""
     test_statements = statements if test_statements is None else test_statements
-    check_options(num_vars, statements, print_fraction, if_true)
-    if test_statements < num_vars + 1:
-        raise ValueError(f"--test-statements must be at least --vars + 1 = {num_vars + 1}, got {test_statements}")
+    if grammar not in GRAMMARS:
+        raise ValueError(f"--grammar must be one of {', '.join(GRAMMARS)}, got {grammar!r}")
+    if grammar == "published":
+        if print_fraction is not None or if_true is not None:
+            raise ValueError("--print-fraction and --if-true belong to --grammar fullband (the published grammar "
+                             "draws its five statement kinds with equal weight)")
+        make_published_program(random.Random(0), num_vars, min(statements, test_statements))  # the option checks
+    else:
+        print_fraction = 0.2 if print_fraction is None else print_fraction
+        if_true = 0.5 if if_true is None else if_true
+        check_options(num_vars, statements, print_fraction, if_true)
+        if test_statements < num_vars + 1:
+            raise ValueError(f"--test-statements must be at least --vars + 1 = {num_vars + 1}, got {test_statements}")
     if rows < 1 or test_rows < 1:
         raise ValueError(f"--rows and --test-rows must be >= 1, got {rows} and {test_rows}")
-    options = (print_fraction, if_true)
+    options = (print_fraction, if_true) if grammar == "fullband" else ()
 
     def test_programs():
         rng = split_rng(seed, "test")
         for _ in range(test_rows):
-            p = make_program(rng, num_vars, test_statements, *options)
+            p = grammar_program(grammar, rng, num_vars, test_statements, *options)
             held_out.add(p.key())
             yield p
 
@@ -210,7 +330,7 @@ def write_program_files(out: str, num_vars: int, statements: int, rows: int, tes
         rng = split_rng(seed, "train")
         for _ in range(rows):
             for _ in range(MAX_REDRAWS):
-                p = make_program(rng, num_vars, statements, *options)
+                p = grammar_program(grammar, rng, num_vars, statements, *options)
                 if p.key() not in held_out:
                     break
             else:
@@ -229,9 +349,14 @@ def write_program_files(out: str, num_vars: int, statements: int, rows: int, tes
         if unknown:
             raise ValueError(f"the test programs use word(s) {' '.join(unknown)} that no training program has (the "
                              "model's vocabulary is the training file's): raise --rows")
-        info = {"task": "programs", "variables": list(VARIABLES[:num_vars]), "values": [LOW, HIGH],
-                "wrap": "++ of 10 is 1, -- of 1 is 10", "seed": seed, "print_fraction": print_fraction,
-                "if_true": if_true,
+        published = grammar == "published"
+        info = {"task": "programs", "grammar": grammar,
+                "variables": list((PUBLISHED_VARIABLES if published else VARIABLES)[:num_vars]),
+                "values": [LOW, HIGH], "seed": seed,
+                "wrap": "none: ++ / -- never leave 1..10" if published else "++ of 10 is 1, -- of 1 is 10"}
+        if not published:
+            info |= {"print_fraction": print_fraction, "if_true": if_true}
+        info |= {
                 "splits": {name: {"rows": c[0], "statements": st, "targets": c[1], "max_length": c[2]}
                            for name, c, st in (("train", train, statements), ("test", test, test_statements))},
                 "overlap": "no test program's input equals a training program's (row_key of the whole input)"}

@@ -6,9 +6,11 @@ Owns the experiment: its arms, the programs each seed trains and is tested on, t
 train``'s labelled recipe, scoring every decode mode, the held-out check and the results. The analysis, tables and
 report are :mod:`fullband.experiments.programs_report`'s. Built on:
 
-* the task of :mod:`fullband.eval.program_tasks` (the generator of ``fullband data make-programs``): seed S trains on
-  exactly the programs of ``fullband data make-programs --vars V --statements N --rows R --test-rows M --seed S``
-  (``train.jsonl``) and is tested on its ``test.jsonl`` (N statements) plus ``--test-statements`` longer programs
+* the task of :mod:`fullband.eval.program_tasks` (the generator of ``fullband data make-programs``), in the
+  grammar ``--grammar`` names: ``published`` (the default: Fan et al.'s generator as they published it) or
+  ``fullband`` (the package's earlier variant, the one the committed 20-statement results used): seed S trains on
+  exactly the programs of ``fullband data make-programs --grammar G --vars V --statements N --rows R --test-rows M
+  --seed S`` (``train.jsonl``) and is tested on its ``test.jsonl`` (N statements) plus ``--test-statements`` longer programs
   (each length its own stream, ``test-{n}.jsonl`` in ``OUT/seed{S}/data/``: length generalisation); no training
   program is a test program of any length (drawn apart, then checked on the training rows themselves, by
   :func:`fullband.data.labelled.row_key`, before anything trains and again before each arm is scored);
@@ -20,8 +22,9 @@ report are :mod:`fullband.experiments.programs_report`'s. Built on:
   :func:`fullband.experiments.synthetic.init_backbone` saved (RoPE: no weight depends on it);
 * the scoring of ``fullband eval labelled`` (:func:`fullband.eval.labelled.score_rows`): plain arms in ``standard``
   mode, FBT arms in ``standard``, ``K=2`` (two teacher-forced passes), ``exact`` (the token-by-token recurrence) and
-  ``soft`` / ``fused`` with the opening assignments (4 x V inputs: ``x = 7 ;`` per variable) as the prompt; the
-  first printed value comes after them, so every mode scores every printed value.
+  ``soft`` / ``fused`` with a prompt that holds no printed value (:func:`prompt_tokens`: the first statement of a
+  ``published`` program, always an assignment; the opening assignments of a ``fullband`` one, ``x = 7 ;`` per
+  variable), so every mode scores every printed value.
 
 Arms (equal tokens: the same steps on the same programs, except the two controls):
 
@@ -41,7 +44,11 @@ skipped): the exact-states FBT arm has one-step loss spikes that the next step u
 permanent (:data:`GUARD`).
 
 Seeds (``--seeds 0,1``): each seed is a whole experiment in ``OUT/seed{N}/`` (its programs, initial backbones and
-runs); a later invocation with more seeds trains only the new ones. Writes ``results.json`` (per-program results
+runs); a later invocation with more seeds trains only the new ones. Runs that outlive a process: every run writes a
+checkpoint every ``--save-every`` steps (default 250) with what it reads, and the same command run again after its
+process ended mid-run (killed, out of time) continues that run from its last checkpoint, bit for bit (weights,
+losses and results equal an uninterrupted run's: tests/test_programs_experiment.py kills one and compares); finished
+runs are reused. Writes ``results.json`` (per-program results
 in ``per_seed``), ``report.md`` and ``programs.png`` into ``--out``.
 
 The default is sized for a 2-core CPU: 20 statements (rows of ~88 tokens, at most ~125), d64 L2, 2,000 steps x 32
@@ -80,8 +87,8 @@ from transformers.utils import logging as hf_logging
 from ..data.labelled import LabelledData, LabelledRows, encode_row, labelled_tokenizer, row_key
 from ..eval.flops import flop_parameters, inference_flops, training_flops
 from ..eval.labelled import PROMPT_MODES, read_test_rows, score_rows
-from ..eval.program_tasks import (HIGH, LOW, MAX_REDRAWS, VALUES, VARIABLES, check_options, make_program,
-                                  split_rng)
+from ..eval.program_tasks import (GRAMMARS, HIGH, LOW, MAX_REDRAWS, PUBLISHED_VARIABLES, VALUES, VARIABLES,
+                                  check_options, grammar_program, grammar_words, split_rng)
 from ..eval.scoring import load_any_model
 from ..model.configuration import has_feedback
 from ..training.device import load_average
@@ -95,7 +102,6 @@ from .synthetic import (CONTROL_ARMS, EPOCHS_ARM, FLOPS_ARM, Arm, arm_config, co
                         run_flops, train_arm, train_controls)
 
 POSITIONS = 2048  # the backbones' position limit (the synthetic experiments' 256 would not hold 100 statements)
-OPERATORS = ("=", "++", "--", "if", "==", ":", "print", ";")
 LONG = dict(feedback_start=0.0, deep_fraction=0.0, prefix_mix=0.0)  # the recurrence from the first step
 # the stability guard skips no finite loss spike (non-finite steps are still skipped), in every arm: a step of the
 # exact-states FBT arm can spike and the next undo it (7.38 then 2.32 at steps 84 / 85 of a 20-statement pilot),
@@ -106,9 +112,10 @@ DEFAULT_ARMS = ARM_NAMES[:6]
 PLAIN_MODES = (("standard", "standard", 1),)
 FBT_MODES = PLAIN_MODES + (("K=2", "passes", 2), ("exact", "exact", None), ("soft", "soft", None),
                            ("fused", "fused", None))
-DEFAULTS = dict(out=os.path.join("runs", "experiments", "programs"), vars=3, statements=20, test_statements=None,
+DEFAULTS = dict(out=os.path.join("runs", "experiments", "programs"), grammar="published", vars=3, statements=20,
+                test_statements=None,
                 rows=None, test_rows=200, layers=2, hidden=64, heads=4, steps=2000, batch_size=32, lr=2e-3,
-                seeds="0")
+                seeds="0", save_every=250)
 QUICK = dict(statements=6, test_rows=8, layers=1, hidden=32, heads=2, steps=6, batch_size=8)
 TAG = "programs"
 
@@ -133,20 +140,21 @@ def make_arms() -> dict[str, Arm]:
 # ---------------------------------------------------------------------------------------------- programs
 
 
-def program_tokenizer(num_vars: int):
+def program_tokenizer(num_vars: int, grammar: str = "published"):
     """The one vocabulary of every arm and corpus of a run (the specials, the variables, the operators, the values),
     fixed, not read from the rows: the fresh programs of the FLOPs control must not reorder it."""
-    return labelled_tokenizer([*VARIABLES[:num_vars], *OPERATORS, *VALUES])
+    return labelled_tokenizer(grammar_words(grammar, num_vars))
 
 
-def draw_programs(seed: int, split: str, count: int, num_vars: int, statements: int, exclude=frozenset()) -> list:
+def draw_programs(seed: int, split: str, count: int, num_vars: int, statements: int, exclude=frozenset(),
+                  grammar: str = "published") -> list:
     """``count`` programs of the stream ``split`` (:func:`fullband.eval.program_tasks.split_rng`), a program whose key
     is in ``exclude`` drawn again: the ``train`` stream with the test keys excluded is exactly ``fullband data
     make-programs``'s ``train.jsonl``, the ``test`` stream its ``test.jsonl``."""
     rng, out = split_rng(seed, split), []
     for _ in range(count):
         for _ in range(MAX_REDRAWS):
-            p = make_program(rng, num_vars, statements)
+            p = grammar_program(grammar, rng, num_vars, statements)
             if p.key() not in exclude:
                 break
         else:
@@ -226,10 +234,10 @@ class SeedData:
         self.tests, self.keys = {}, set()
         for n in args.test_lengths:
             split = "test" if n == args.statements else f"test-{n}"
-            self.tests[n] = draw_programs(args.seed, split, args.test_rows, args.vars, n)
+            self.tests[n] = draw_programs(args.seed, split, args.test_rows, args.vars, n, grammar=args.grammar)
             refuse_long(self.tests[n], f"--test-statements {n}")
             self.keys |= {p.key() for p in self.tests[n]}
-        programs = draw_programs(args.seed, "train", args.rows, args.vars, args.statements, self.keys)
+        programs = draw_programs(args.seed, "train", args.rows, args.vars, args.statements, self.keys, args.grammar)
         refuse_long(programs, f"--statements {args.statements}")
         self.train = program_data(programs, tokenizer, "training programs")
         self.checked = {id(self.train): refuse_held_out(self.train, self.keys, "the training programs")}
@@ -238,7 +246,8 @@ class SeedData:
         """The FLOPs control's fresh programs (stream ``fresh``, none a test program), as many as make its ``steps``
         steps read each one as often as baseline-L's ``--steps`` read baseline-L's ``--rows``."""
         count = math.ceil(self.args.rows * steps / self.args.steps)
-        programs = draw_programs(self.args.seed, "fresh", count, self.args.vars, self.args.statements, self.keys)
+        programs = draw_programs(self.args.seed, "fresh", count, self.args.vars, self.args.statements, self.keys,
+                                 self.args.grammar)
         refuse_long(programs, "the fresh programs")
         data = program_data(programs, self.tokenizer, "fresh programs", self.train.info["seq_len"])
         self.checked[id(data)] = refuse_held_out(data, self.keys, "the fresh programs")
@@ -262,10 +271,12 @@ class SeedData:
             rewrite_jsonl(self.path(n), [p.row() for p in programs])
         tr = self.train.info["splits"]["train"]
         atomic_write_json(os.path.join(a.out, "data", "programs.json"), {
-            "variables": list(VARIABLES[:a.vars]), "values": [LOW, HIGH], "seed": a.seed,
+            "grammar": a.grammar, "variables": list((PUBLISHED_VARIABLES if a.grammar == "published" else
+                                                     VARIABLES)[:a.vars]), "values": [LOW, HIGH], "seed": a.seed,
             "train": {"rows": tr["rows"], "statements": a.statements, "targets": tr["targets"],
                       "max_length": tr["max_length"],
-                      "command": f"fullband data make-programs --vars {a.vars} --statements {a.statements} --rows "
+                      "command": f"fullband data make-programs --grammar {a.grammar} --vars {a.vars} --statements "
+                                 f"{a.statements} --rows "
                                  f"{a.rows} --test-rows {a.test_rows} --seed {a.seed} --out DIR (its train.jsonl)"},
             "test": {str(n): {"rows": len(ps), "file": os.path.basename(self.path(n)),
                               "targets": sum(t is not None for p in ps for t in p.targets),
@@ -371,12 +382,19 @@ def check_args(args) -> list[int]:
         raise ValueError(f"--hidden {args.hidden} must be --heads {args.heads} times an even head width (RoPE)")
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
-    check_options(args.vars, args.statements)
+    if args.grammar not in GRAMMARS:
+        raise ValueError(f"--grammar must be one of {', '.join(GRAMMARS)}, got {args.grammar!r}")
+    least = first_print(args.grammar, args.vars)
+    if args.grammar == "fullband":
+        check_options(args.vars, args.statements)
+    elif not 1 <= args.vars <= len(PUBLISHED_VARIABLES) or args.statements < least:
+        raise ValueError(f"--vars must be in 1..{len(PUBLISHED_VARIABLES)} and --statements >= {least}, got "
+                         f"{args.vars} and {args.statements}")
     args.rows = args.steps * args.batch_size if args.rows is None else args.rows
     if args.rows < 1:
         raise ValueError(f"--rows must be >= 1, got {args.rows}")
     text = args.test_statements or f"{args.statements},{2 * args.statements}"
-    lengths = comma_ints(text, "--test-statements", "20,40", args.vars + 1)
+    lengths = comma_ints(text, "--test-statements", "20,40", least)
     if args.statements not in lengths:
         raise ValueError(f"--test-statements {text}: the training length --statements {args.statements} must be "
                          "among them")
@@ -385,6 +403,19 @@ def check_args(args) -> list[int]:
         raise ValueError("give --seeds or --seed, not both (--seed N is --seeds N)")
     return comma_ints(args.seeds if args.seeds is not None else args.seed if args.seed is not None
                       else DEFAULTS["seeds"], "--seeds", "0,1")
+
+
+def first_print(grammar: str, num_vars: int) -> int:
+    """The fewest statements a program of ``grammar`` needs (``fullband``: one assignment per variable, then a
+    print; ``published``: an assignment, then a print)."""
+    return num_vars + 1 if grammar == "fullband" else 2
+
+
+def prompt_tokens(grammar: str, num_vars: int) -> int:
+    """The prompt of the ``soft`` / ``fused`` modes: inputs before any printed value can be asked for --
+    ``fullband``: the opening assignments (``x = 7 ;`` per variable); ``published``: its first statement, which is
+    always an assignment (nothing else can be drawn before a variable is assigned)."""
+    return 4 * num_vars if grammar == "fullband" else 4
 
 
 def seed_args(args, seed: int):
@@ -403,7 +434,7 @@ def run_programs(args) -> dict:
     control_reference(names)  # controls without an FBT arm: refused before anything trains
     args.seeds, args.seed = ",".join(map(str, seeds)), None
     t0, load0 = time.perf_counter(), load_average()
-    tokenizer = program_tokenizer(args.vars)
+    tokenizer = program_tokenizer(args.vars, args.grammar)
     runs = {s: seed_args(args, s) for s in seeds}
     data = {s: SeedData(a, tokenizer) for s, a in runs.items()}  # every refusal of the programs: nothing written yet
     device = str(resolve_device(args.device))
@@ -412,7 +443,7 @@ def run_programs(args) -> dict:
             init_backbone(a, tokenizer, depth)
         refuse_changed_runs([arm_config(a, arms[n], data[s].train) for n in names if n not in CONTROL_ARMS],
                             data[s].train, args.overwrite)
-    prompt = 4 * args.vars  # the opening assignments, `x = 7 ;` per variable
+    prompt = prompt_tokens(args.grammar, args.vars)
     res = {"arms": names, "arm_descriptions": {n: arms[n].description for n in names}, "seeds": seeds,
            "settings": {k: getattr(args, k) for k in DEFAULTS if k not in ("out", "seeds")} | {
                "test_statements": args.test_lengths, "quick": bool(args.quick), "prompt_tokens": prompt,

@@ -58,7 +58,8 @@ def arm_config(args, arm: Arm, corpus) -> TrainConfig:
     cfg = TrainConfig(out=os.path.join(args.out, "runs", arm.name), steps=args.steps, seed=args.seed,
                       init_from=init_backbone(args, corpus.tokenizer, arm.depth), lr=args.lr,
                       batch_size=args.batch_size, seq_len=corpus.train_rows.shape[1], device=args.device,
-                      progress=False, tensorboard=False, plot=False, save_every=0, **arm.settings)
+                      progress=False, tensorboard=False, plot=False, save_every=getattr(args, "save_every", 0),
+                      debug_kill_at_step=getattr(args, "debug_kill_at_step", None), **arm.settings)
     return cfg.validate()
 
 

@@ -76,17 +76,18 @@ def _timed(fn, repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def speed(size: str, *, prompt_len: int, new_tokens: int, repeats: int, threads: int, vocab: int) -> dict:
+def speed(size: str, *, prompt_len: int, new_tokens: int, repeats: int, threads: int, vocab: int,
+          seed: int = 0) -> dict:
     """Decode tokens/s at batch 1: the engine in ``soft`` mode, plain llama.cpp, the lean PyTorch loop (soft)."""
     width, layers = SIZES[size]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
                          num_attention_heads=width // 64, num_key_value_heads=width // 64,
                          max_position_embeddings=prompt_len + new_tokens, bos_token_id=1, eos_token_id=2)
     model = FullBandwidthForCausalLM.from_backbone(AutoModelForCausalLM.from_config(config), fusion="residual").eval()
     with torch.no_grad():  # a trained gain: the fused term is not zero (residual starts at u = e)
         model.feedback.out_norm.weight.fill_(model.config.embed_rms)
-    prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed + 1))
     prompt[0, 0] = 1
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(os.path.join(tmp, "model"))
@@ -118,11 +119,11 @@ def benchmark_llamacpp(args) -> dict:
     check_args(args)
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    report = {"provenance": provenance(), "threads": args.threads, "agreement": {}, "speed": []}
+    report = {"provenance": provenance(), "threads": args.threads, "seed": args.seed, "agreement": {}, "speed": []}
     if args.model:
         model = load_model(args.model).float().eval()
         length = args.prompt_len
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(args.seed)
         vocab = model.get_input_embeddings().num_embeddings
         bos = getattr(model.config, "doc_start_token_id", None) or 1
         prompts = [[bos] + torch.randint(3, vocab, (length - 1,), generator=g).tolist() for _ in range(args.prompts)]
@@ -137,7 +138,8 @@ def benchmark_llamacpp(args) -> dict:
                 report["agreement"][kind] = res
     for size in args.sizes:
         report["speed"].append(speed(size, prompt_len=args.prompt_len, new_tokens=args.speed_tokens,
-                                     repeats=args.repeats, threads=args.threads, vocab=args.vocab))
+                                     repeats=args.repeats, threads=args.threads, vocab=args.vocab,
+                                     seed=args.seed))
     return report
 
 
@@ -192,6 +194,7 @@ def add_bench_parser(sub):
     p.add_argument("--speed-tokens", type=POSITIVE_INT, default=128, help="new tokens of each speed run")
     p.add_argument("--repeats", type=POSITIVE_INT, default=5, help="interleaved timed rounds (the best counts)")
     p.add_argument("--threads", type=NONNEG_INT, default=1, help="threads of llama.cpp and torch alike")
+    p.add_argument("--seed", type=NONNEG_INT, default=0, help="seed of the prompts and of the random speed models")
     return p
 
 

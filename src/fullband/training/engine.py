@@ -430,8 +430,8 @@ class Trainer:
                 extra = f", K={val['val_num_passes']}: {val['val_loss_passes']:.4f}" if "val_loss_passes" in val else ""
                 log.write(f"step {done}: {self.recipe.val_label} {val['val_loss']:.4f}{extra}")
         if (cfg.save_every and done % cfg.save_every == 0) or (done == stop_at and done < cfg.steps):
-            if guard.bad_in_row == 0:
-                self.last_ckpt = self.save(done)
+            if guard.bad_in_row == 0:  # what the run reads rides along: a re-run of it may continue here
+                self.last_ckpt = self.save(done, run_inputs=self.run_inputs())
             else:  # only good states are checkpointed
                 log.write(f"step {done}: no checkpoint while steps are being skipped")
         if reason is None:
@@ -460,10 +460,15 @@ class Trainer:
         good = self.good_state
         if good is None or good.get("saved"):
             return
-        inputs = {}
-        self.recipe.summarize(inputs)  # the data and initial model the run read (its summary's fields)
-        self.last_ckpt = self.save(good["step"], good, guard_stop={"step": done, "reason": reason, **inputs})
+        self.last_ckpt = self.save(good["step"], good, guard_stop={"step": done, "reason": reason,
+                                                                   **self.run_inputs()})
         good["saved"] = True
+
+    def run_inputs(self) -> dict:
+        """The data and initial model the run reads (its summary's fields), recorded in its checkpoints."""
+        inputs = {}
+        self.recipe.summarize(inputs)
+        return inputs
 
     def snapshot(self, step: int) -> dict:
         """What a checkpoint of step ``step`` needs besides the model and optimizer, as it is now (after the step):

@@ -275,7 +275,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, corpu
 
 
 _NOT_TRAJECTORY = ("progress", "tensorboard", "plot", "device", "eval_every", "eval_rows", "save_every",
-                   "keep_checkpoints", "stop_after")
+                   "keep_checkpoints", "stop_after", "debug_kill_at_step")
 
 
 def _read_json(path: str):
@@ -344,15 +344,17 @@ def finished(cfg: TrainConfig, corpus=None) -> bool:
 
 
 def stopped_checkpoint(cfg: TrainConfig, corpus=None) -> str | None:
-    """The checkpoint of the last good step that the stability guard left in ``cfg.out`` when it stopped a run of
-    exactly this configuration, data and initial model (:func:`run_differences`' comparison), else ``None``."""
+    """The checkpoint to continue a run of exactly this configuration, data and initial model from
+    (:func:`run_differences`' comparison), else ``None``: the last good step the stability guard left in ``cfg.out``
+    when it stopped the run, or the last periodic checkpoint (``--save-every``) of a process that ended before the
+    run did (killed, out of time). Both record what the run read."""
     try:
         ckpt = find_checkpoint(cfg.out) if os.path.isdir(cfg.out) else None
         state = load_trainer_state(ckpt) if ckpt is not None else None
     except (OSError, ValueError):  # an unreadable checkpoint is no place to resume from: the run starts over
         return None
-    stop = state.get("guard_stop") if state is not None else None
-    return ckpt if isinstance(stop, dict) and _differences(cfg, state["config"], stop, corpus) == [] else None
+    read = (state.get("guard_stop") or state.get("run_inputs")) if state is not None else None
+    return ckpt if isinstance(read, dict) and _differences(cfg, state["config"], read, corpus) == [] else None
 
 
 def require_done(summary: dict, name: str) -> dict:
@@ -368,8 +370,9 @@ def require_done(summary: dict, name: str) -> dict:
 
 def run_to_end(recipe: Recipe, corpus=None) -> dict:
     """An experiment's run of ``recipe`` (a :class:`PretrainRecipe`) to its end: continued from where the stability
-    guard stopped the same run before (:func:`stopped_checkpoint`; ``corpus``: the data it reads), else trained from
-    scratch, its directory overwritten. Returns the summary; :class:`fullband.utils.errors.TrainingStopped` when the
+    guard stopped the same run before, or from the last checkpoint of a process that ended mid-run
+    (:func:`stopped_checkpoint`; ``corpus``: the data it reads), else trained from scratch, its directory
+    overwritten. Returns the summary; :class:`fullband.utils.errors.TrainingStopped` when the
     guard stops it (:func:`require_done`)."""
     resume = stopped_checkpoint(recipe.cfg, corpus) is not None
     return require_done(run(recipe, resume=resume, overwrite=not resume), recipe.name)
