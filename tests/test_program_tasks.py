@@ -278,3 +278,25 @@ def test_published_is_the_default_and_its_files_and_refusals(tmp_path, capsys):
                      "0.3"]) == 2
     assert "--print-fraction and --if-true belong to --grammar fullband" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_validation_programs_are_apart_from_test_and_training(tmp_path, capsys):
+    """``--val-rows``: val.jsonl of the training length, none a test program, no training program one of them (on
+    one variable and 3 statements, where unchecked draws collide); without it, no file and the same training rows."""
+    out = tmp_path / "v"
+    assert cli.main(["data", "make-programs", "--out", str(out), "--rows", "200", "--val-rows", "60", "--test-rows",
+                     "60", "--vars", "1", "--statements", "3", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["splits"]["val"]["rows"] == 60 and info["splits"]["val"]["statements"] == 3
+    train, val, test = ([r["input"] for r in read(out / f"{n}.jsonl")] for n in ("train", "val", "test"))
+    assert len(val) == 60 and not set(val) & set(test) and not set(train) & (set(val) | set(test))
+    rng = P.split_rng(0, "val")
+    raw = [" ".join(P.make_published_program(rng, 1, 3).inputs) for _ in range(60)]
+    assert set(raw) & set(test)  # the check above had something to catch
+    assert cli.main(["data", "make-programs", "--out", str(tmp_path / "n"), "--rows", "30", "--test-rows", "10",
+                     "--statements", "12"]) == 0
+    assert cli.main(["data", "make-programs", "--out", str(tmp_path / "m"), "--rows", "30", "--test-rows", "10",
+                     "--val-rows", "10", "--statements", "12"]) == 0
+    assert not (tmp_path / "n" / "val.jsonl").exists()
+    assert read(tmp_path / "n" / "train.jsonl") == read(tmp_path / "m" / "train.jsonl")  # 12 statements: no collision
+    assert "10 validation programs" in capsys.readouterr().out

@@ -18,11 +18,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from fullband import cli
 from fullband.eval.program_tasks import Program
-from fullband.experiments import programs
+from fullband.data.labelled import IGNORE
+from fullband.eval.labelled import read_test_rows
+from fullband.eval.scoring import load_any_model
+from fullband.experiments import programs, programs_data
 from fullband.training import pretrain
 from fullband.utils.provenance import first_difference
 
@@ -203,6 +207,7 @@ def test_quick_run_tables_recomputed_from_the_programs(quick):
         want = math.ceil(rows_per * matched / res["settings"]["steps"]) if arm == "baseline-L-flops" else rows_per
         assert checked[arm]["training_rows_checked"] == want == res["runs"][arm]["rows"], arm
         assert checked[arm]["test_programs"] == 2 * res["settings"]["test_rows"]
+        assert checked[arm]["validation_programs"] == res["settings"]["val_rows"]
 
     # the goal line from the numbers above
     at_n = {(a, m): acc(per[a]["correct"][m]["6"]) for a in res["arms"] for m in per[a]["correct"]}
@@ -212,19 +217,23 @@ def test_quick_run_tables_recomputed_from_the_programs(quick):
 
 
 def test_quick_run_trains_on_make_programs_files(quick, tmp_path):
-    """Seed 0's training programs are ``fullband data make-programs``'s train.jsonl of the same options and seed (the
-    run's data fingerprint), its test programs at N that command's test.jsonl."""
+    """Seed 0's training and validation programs are ``fullband data make-programs``'s train.jsonl and val.jsonl of
+    the same options and seed (the run's data fingerprint), its test programs at N that command's test.jsonl."""
     out, _ = quick
     s = load(out)["settings"]
     code, _, err = run(["data", "make-programs", "--vars", "3", "--statements", str(s["statements"]), "--rows",
-                        str(s["rows"]), "--test-rows", str(s["test_rows"]), "--seed", "0", "--out", str(tmp_path)])
+                        str(s["rows"]), "--val-rows", str(s["val_rows"]), "--test-rows", str(s["test_rows"]),
+                        "--seed", "0", "--out", str(tmp_path)])
     assert code == 0, err
-    assert (tmp_path / "test.jsonl").read_text() == open(os.path.join(out, "seed0", "data", "test.jsonl")).read()
-    progs = []
-    for line in (tmp_path / "train.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        progs.append(Program(tuple(r["input"].split()), tuple(None if t == "_" else t for t in r["target"].split())))
-    data = programs.program_data(progs, programs.program_tokenizer(3), "make-programs")
+    for name in ("test.jsonl", "val.jsonl"):
+        assert (tmp_path / name).read_text() == open(os.path.join(out, "seed0", "data", name)).read()
+
+    def read(name):
+        return [Program(tuple(r["input"].split()), tuple(None if t == "_" else t for t in r["target"].split()))
+                for r in map(json.loads, (tmp_path / name).read_text().splitlines())]
+
+    data = programs_data.program_data(read("train.jsonl"), programs_data.program_tokenizer(3), "make-programs",
+                                      val=read("val.jsonl"))
     with open(os.path.join(out, "seed0", "runs", "baseline-L", "summary.json")) as f:
         assert json.load(f)["data_sha256"] == data.fingerprint
 
@@ -282,24 +291,40 @@ def test_the_docs_renderer_reads_the_trimmed_results(quick):
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def test_a_test_program_in_training_is_refused(monkeypatch, tmp_path):
-    real = programs.draw_programs
+@pytest.mark.parametrize("held", ["test", "val"])
+def test_a_test_or_validation_program_in_training_is_refused(monkeypatch, tmp_path, held):
+    real = programs_data.draw_programs
 
     def leaky(seed, split, count, num_vars, statements, exclude=frozenset(), grammar="published"):
         drawn = real(seed, split, count, num_vars, statements, exclude, grammar)
         if split == "train":
-            drawn[3] = real(seed, "test", 1, num_vars, statements, grammar=grammar)[0]
+            drawn[3] = real(seed, held, 1, num_vars, statements, grammar=grammar)[0]
         return drawn
 
-    monkeypatch.setattr(programs, "draw_programs", leaky)
+    monkeypatch.setattr(programs_data, "draw_programs", leaky)
     out = tmp_path / "exp"
     code, _, err = run([*QUICK, "--out", str(out)])
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "1 of its 48 training programs are test programs" in err and not out.exists()
+    assert "1 of its 48 training programs are test or validation programs" in err and not out.exists()
+
+
+def test_a_validation_program_that_is_a_test_program_is_refused(monkeypatch, tmp_path):
+    real = programs_data.draw_programs
+
+    def leaky(seed, split, count, num_vars, statements, exclude=frozenset(), grammar="published"):
+        drawn = real(seed, split, count, num_vars, statements, exclude, grammar)
+        if split == "val":
+            drawn[0] = real(seed, "test", 1, num_vars, statements, grammar=grammar)[0]
+        return drawn
+
+    monkeypatch.setattr(programs_data, "draw_programs", leaky)
+    out = tmp_path / "exp"
+    code, _, err = run([*QUICK, "--out", str(out)])
+    assert code == 2 and "a validation program is a test program" in err and not out.exists()
 
 
 def test_a_test_program_among_the_fresh_ones_is_refused_before_scoring(monkeypatch, tmp_path):
-    real = programs.draw_programs
+    real = programs_data.draw_programs
 
     def leaky(seed, split, count, num_vars, statements, exclude=frozenset(), grammar="published"):
         drawn = real(seed, split, count, num_vars, statements, exclude, grammar)
@@ -307,7 +332,7 @@ def test_a_test_program_among_the_fresh_ones_is_refused_before_scoring(monkeypat
             drawn[-1] = real(seed, "test-12", 1, num_vars, 12, grammar=grammar)[0]
         return drawn
 
-    monkeypatch.setattr(programs, "draw_programs", leaky)
+    monkeypatch.setattr(programs_data, "draw_programs", leaky)
     out = tmp_path / "exp"
     code, _, err = run([*QUICK, "--out", str(out), "--arms", "baseline-L,fbt-L-glu-x2,baseline-L-flops"])
     assert code == 2 and "error: the fresh programs: 1 of its" in err.strip().splitlines()[-1]
@@ -317,11 +342,12 @@ def test_a_test_program_among_the_fresh_ones_is_refused_before_scoring(monkeypat
 def test_held_out_check_reads_the_rows_themselves(tmp_path):
     """:meth:`SeedData.check` (before an arm is scored) decodes the corpus it is given, whatever built it."""
     ns = dict(programs.DEFAULTS | programs.QUICK, out=str(tmp_path), seed=0, rows=48, test_lengths=[6, 12])
-    data = programs.SeedData(argparse.Namespace(**ns), programs.program_tokenizer(3))
-    leak = programs.program_data([*programs.draw_programs(5, "x", 4, 3, 6), data.tests[12][2]],
-                                 programs.program_tokenizer(3), "a corpus")
-    with pytest.raises(ValueError, match="^baseline-L: 1 of its 5 training programs are test programs"):
-        data.check(leak, "baseline-L")
+    data = programs_data.SeedData(argparse.Namespace(**ns), programs_data.program_tokenizer(3))
+    for held in (data.tests[12][2], data.val[1]):
+        leak = programs_data.program_data([*programs_data.draw_programs(5, "x", 4, 3, 6), held],
+                                          programs_data.program_tokenizer(3), "a corpus")
+        with pytest.raises(ValueError, match="^baseline-L: 1 of its 5 training programs are test or validation"):
+            data.check(leak, "baseline-L")
     assert data.check(data.train, "baseline-L") == 48 and not os.listdir(tmp_path)
 
 
@@ -340,6 +366,10 @@ def test_held_out_check_reads_the_rows_themselves(tmp_path):
     (["--seeds", "0,0"], "--seeds needs distinct integers >= 0"),
     (["--seeds", "a"], "--seeds takes comma-separated integers"),
     (["--seeds", "0", "--seed", "1"], "give --seeds or --seed"),
+    (["--lrs", "1e-3,x"], "--lrs takes comma-separated numbers"),
+    (["--lrs", "1e-3,1e-3"], "--lrs needs distinct numbers > 0"),
+    (["--lrs", "0,1e-3"], "--lrs needs distinct numbers > 0"),
+    (["--lrs", "1e-3,2e-3", "--val-rows", "0"], "--val-rows must be >= 1"),
 ])
 def test_bad_options_one_line_exit_2_nothing_written(extra, message, tmp_path):
     out = tmp_path / "exp"
@@ -377,3 +407,116 @@ def test_a_killed_run_continues_bit_for_bit_when_the_same_command_runs_again(tmp
         assert losses[0] == losses[1] and len(losses[0]) == 6
     for arm in ("fbt-L-glu-x2", "baseline-L"):
         assert load(clean)["per_seed"]["0"][arm]["correct"] == load(killed)["per_seed"]["0"][arm]["correct"]
+
+
+# ---------------------------------------------------------------------------------------------- validation, LRs
+
+
+def by_hand_held_out_loss(run_dir: str, rows: list[dict]) -> float:
+    """Mean NLL at the targets of ``rows`` under a plain model's own forward, row by row, unpadded."""
+    model = load_any_model(run_dir)[0].eval()
+    nll = count = 0.0
+    for r in rows:
+        with torch.no_grad():
+            logits = model(torch.tensor([r["ids"]])).logits[0, :-1]
+        labels = torch.tensor(r["labels"][1:])
+        keep = labels != IGNORE
+        nll += torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
+        count += keep.sum().item()
+    return nll / count
+
+
+def test_learning_curves_are_the_runs_own_evaluations(quick):
+    """``curves``: every periodic evaluation on the validation programs and the training objective per step (the
+    quick runs are shorter than the 40 windows, so one step each); the last held-out loss of baseline-L recomputed
+    from its saved model on every validation program."""
+    out, _ = quick
+    res = load(out)
+    for arm in res["arms"]:
+        c = res["curves"]["0"][arm]
+        recs = [json.loads(line) for line in open(os.path.join(out, "seed0", "runs", arm, "metrics.jsonl"))]
+        val = [r for r in recs if r.get("split") == "val"]
+        assert len(val) >= 2 and c["val"][-1][0] == res["runs"][arm]["steps"]
+        assert c["val"] == [[r["step"], round(r["val_loss"], 5), round(r["val_loss_passes"], 5)
+                             if "val_loss_passes" in r else None] for r in val]
+        assert (c["val"][-1][2] is not None) == arm.startswith("fbt")  # FBT: the exact recurrence's loss too
+        assert c["train"] == [[r["step"], round(r["loss"], 5)] for r in recs if r.get("split") == "train"]
+    rows = read_test_rows(os.path.join(out, "seed0", "data", "val.jsonl"), programs_data.program_tokenizer(3))
+    assert len(rows) == res["settings"]["val_rows"]
+    assert res["curves"]["0"]["baseline-L"]["val"][-1][1] == pytest.approx(
+        by_hand_held_out_loss(os.path.join(out, "seed0", "runs", "baseline-L"), rows), abs=2e-5)
+    assert os.path.exists(os.path.join(out, "programs-curves.png"))
+
+
+def labelled_accuracy(run_dir: str, data: str, mode: str) -> float:
+    code, stdout, err = run(["eval", "labelled", run_dir, "--data", data, "--modes", mode, "--resamples", "10",
+                             "--device", "cpu", "--json"])
+    assert code == 0, err
+    overall = json.loads(stdout)["results"][0]["overall"]
+    return overall["correct"] / overall["targets"]
+
+
+def test_lr_search_keeps_what_the_validation_programs_score_best(tmp_path):
+    """A finished one-LR experiment, then ``--lrs`` with a second LR: only the new LR's runs train (the --lr runs
+    are reused), each arm keeps the LR whose run ``fullband eval labelled`` scores best on the validation programs
+    (FBT exact, plain standard; a tie: the smaller), the test results are the kept run's, and the controls match
+    the kept FBT run's FLOPs."""
+    out, arms = str(tmp_path / "exp"), ["baseline-L", "fbt-L-glu-x2", "baseline-L-flops"]
+    base = [*QUICK, "--out", out, "--arms", ",".join(arms), "--statements", "4", "--test-statements", "4"]
+    code, _, err = run(base)
+    assert code == 0, err
+    first = load(out)
+    assert first["settings"]["lrs"] == [2e-3] and first["lr_search"]["0"]["baseline-L"]["lr"] == 2e-3
+    code, _, err = run([*base, "--lrs", "8e-3,2e-3"])
+    assert code == 0, err
+    assert sorted(re.findall(r"programs: training (\S+)", err)) == sorted(f"lr0.008/{a}" for a in arms)
+    res = load(out)
+    assert res["settings"]["lrs"] == [2e-3, 8e-3]
+    runs_dir, data = os.path.join(out, "seed0", "runs"), os.path.join(out, "seed0", "data")
+    kept = {}
+    for arm in arms:
+        dirs = {2e-3: os.path.join(runs_dir, arm), 8e-3: os.path.join(runs_dir, "lr0.008", arm)}
+        mode = "exact" if arm.startswith("fbt") else "standard"
+        accs = {lr: labelled_accuracy(d, os.path.join(data, "val.jsonl"), mode) for lr, d in dirs.items()}
+        c = res["lr_search"]["0"][arm]
+        assert c["val_accuracy"] == pytest.approx({f"{lr:g}": a for lr, a in accs.items()}, abs=1e-12)
+        assert c["lr"] == (8e-3 if accs[8e-3] > accs[2e-3] else 2e-3)
+        kept[arm] = dirs[c["lr"]]
+        with open(os.path.join(kept[arm], "run_config.json")) as f:
+            assert json.load(f)["lr"] == c["lr"]
+        test = acc(res["per_seed"]["0"][arm]["correct"][mode]["4"])
+        assert test == pytest.approx(labelled_accuracy(kept[arm], os.path.join(data, "test.jsonl"), mode))
+    fbt, plain = hand_flops(kept["fbt-L-glu-x2"]), hand_flops(kept["baseline-L"])
+    p = plain[1]
+    per_step = p["B"] * p["T"] * (6 * p["N"] + 6 * p["L"] * p["T"] * p["d"])
+    assert res["runs"]["baseline-L-flops"]["steps"] == math.ceil(fbt[0] / per_step)
+    report = open(os.path.join(out, "report.md")).read()
+    rows = table(report, "| arm | seed | LR 0.002 | LR 0.008 |")
+    assert [r[0] for r in rows] == arms
+    for arm, _, a2, a8, _ in rows:
+        c = res["lr_search"]["0"][arm]
+        assert (a2, a8) == tuple(f"{c['val_accuracy'][k]:.3f}" + ("*" if c["lr"] == float(k) else "")
+                                 for k in ("0.002", "0.008"))
+
+
+def test_dry_run_plans_what_the_run_then_counts(quick, tmp_path):
+    """``--dry-run``: per arm the FLOPs and steps the quick run's own finished runs counted (the controls sized from
+    the FBT arm's planned FLOPs as a run sizes them from its finished one), the whole experiment as arms x seeds x
+    LRs, and nothing written to --out."""
+    out, _ = quick
+    res = load(out)
+    plan_out = tmp_path / "plan"
+    code, stdout, err = run([*QUICK, "--out", str(plan_out), "--dry-run", "--json", "--seeds", "0,1,2",
+                             "--lrs", "1e-3,2e-3"])
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert not plan_out.exists()
+    assert list(plan["arms"]) == res["arms"] and plan["runs_per_arm"] == 6
+    for arm, row in plan["arms"].items():
+        counted = hand_flops(os.path.join(out, "seed0", "runs", arm))
+        assert row["steps"] == counted[1]["steps"] == res["runs"][arm]["steps"], arm
+        assert row["total_flops"] == pytest.approx(counted[0], rel=1e-9), arm
+    assert plan["flops"] == pytest.approx(6 * sum(r["total_flops"] for r in plan["arms"].values()), rel=1e-12)
+    assert plan["arms"]["fbt-L-glu-x2"]["token_steps"] == res["settings"]["steps"] * plan["seq_len"]
+    code, stdout, _ = run([*QUICK, "--out", str(plan_out), "--dry-run"])
+    assert code == 0 and "| fbt-L-glu-x2 | 1 |" in stdout and "Whole experiment: 6 arms x 1 seed(s) x 1 LR(s)" in stdout

@@ -90,6 +90,10 @@ def add_programs_parser(group) -> None:
                    help="statements per training program, the opening assignments included (default: 100)")
     q.add_argument("--rows", type=POSITIVE_INT, required=True, metavar="N", help="training programs")
     q.add_argument("--test-rows", type=POSITIVE_INT, default=1000, metavar="M", help="held-out programs (default: 1000)")
+    q.add_argument("--val-rows", type=NONNEG_INT, default=0, metavar="M",
+                   help="validation programs of --statements, in DIR/val.jsonl (none a test program, no training "
+                        "program one of them; the published split: --rows 10000 --val-rows 1000 --test-rows 1000; "
+                        "default: 0, no file)")
     q.add_argument("--test-statements", type=POSITIVE_INT, default=None, metavar="N",
                    help="statements per test program (default: --statements; more tests beyond the training length)")
     q.add_argument("--print-fraction", type=POSITIVE_FRACTION, default=None, metavar="X",
@@ -107,15 +111,18 @@ def add_programs_parser(group) -> None:
 def run_make_programs(args) -> int:
     info = write_program_files(args.out, args.vars, args.statements, args.rows, args.test_rows, seed=args.seed,
                                test_statements=args.test_statements, print_fraction=args.print_fraction,
-                               if_true=args.if_true, overwrite=args.overwrite, grammar=args.grammar)
+                               if_true=args.if_true, overwrite=args.overwrite, grammar=args.grammar,
+                               val_rows=args.val_rows)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     tr, te = info["splits"]["train"], info["splits"]["test"]
     print(f"fullband data make-programs: {tr['rows']:,} training programs of {tr['statements']} statements "
           f"({tr['targets']:,} printed values, longest {tr['max_length']} inputs), {te['rows']:,} test programs of "
-          f"{te['statements']} ({te['targets']:,}, longest {te['max_length']}) over {' '.join(info['variables'])}; "
-          f"{args.out}/train.jsonl, test.jsonl (train with --seq-len >= {tr['max_length'] + 2})")
+          f"{te['statements']} ({te['targets']:,}, longest {te['max_length']}) over {' '.join(info['variables'])}"
+          + (f", {info['splits']['val']['rows']:,} validation programs" if "val" in info["splits"] else "")
+          + f"; {args.out}/train.jsonl, " + ("val.jsonl, " if "val" in info["splits"] else "")
+          + f"test.jsonl (train with --seq-len >= {tr['max_length'] + 2})")
     return 0
 
 

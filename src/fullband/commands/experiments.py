@@ -32,7 +32,8 @@ from ..eval.program_tasks import GRAMMARS
 from ..experiments import data_efficiency, depth, programs, reasoning, recipe, state
 from ..experiments.common import RECIPE
 from ..training.config import TrainConfig
-from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT
+from ..training.plan import GPU_PEAK_BF16
+from ..utils.argtypes import NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_FRACTION, POSITIVE_INT
 
 
 def add_overwrite_argument(p) -> None:
@@ -230,12 +231,28 @@ def add_programs_parser(ex) -> None:
                    help="comma-separated statements per test program, N among them (default: N,2N: length "
                         "generalisation)")
     r.add_argument("--rows", type=POSITIVE_INT, default=d["rows"],
-                   help="training programs per seed (default: --steps x --batch-size: each read once)")
+                   help="training programs per seed (default: %(default)s, as published)")
+    r.add_argument("--val-rows", type=NONNEG_INT, default=d["val_rows"],
+                   help="validation programs per seed, of the training length, none a test or training program: "
+                        "the runs' periodic held-out loss (the learning curves) and the LR choice of --lrs "
+                        "(default: %(default)s, as published)")
     r.add_argument("--test-rows", type=POSITIVE_INT, default=d["test_rows"],
-                   help="test programs per length and seed (default: %(default)s)")
+                   help="test programs per length and seed (default: %(default)s, as published)")
+    r.add_argument("--lrs", default=d["lrs"], metavar="LR,..",
+                   help="comma-separated peak LRs: every arm trains at each (runs in OUT/seed{N}/runs/lr{LR}/) and "
+                        "keeps the one its validation programs score best (FBT in exact mode, plain in standard; "
+                        "a tie: the smaller), per seed; the controls match the chosen FBT run's FLOPs (default: "
+                        "--lr alone, no search)")
     r.add_argument("--arms", default=None,
                    help=f"comma-separated arms (default: {','.join(programs.DEFAULT_ARMS)}); also "
                         + ", ".join(programs.ARM_NAMES[len(programs.DEFAULT_ARMS):]))
+    plan = r.add_argument_group("plan (--dry-run: what the experiment would cost on a GPU, per arm and in all; draws "
+                                "the first seed's programs, trains and writes nothing)")
+    plan.add_argument("--dry-run", action="store_true", help="print the plan (with --json: as JSON) and exit")
+    plan.add_argument("--plan-gpu", default="h100", choices=sorted(GPU_PEAK_BF16), help="GPU of the plan (default: "
+                                                                                          "%(default)s)")
+    plan.add_argument("--plan-mfu", type=POSITIVE_FRACTION, default=0.4, metavar="X",
+                      help="model-FLOP utilisation assumed by the plan (default: %(default)s)")
     add_run_arguments(r, d, "per-program")
     r.set_defaults(func=lambda args: (programs.run_programs(args), 0)[1])
 

@@ -69,6 +69,7 @@ BODY_KINDS = ("assign", "inc", "dec")
 KINDS = ("assign", "inc", "dec", "if", "print")
 OPERATORS = ("=", "++", "--", "if", "==", ":", "print", ";")
 FILES = ("train.jsonl", "test.jsonl")
+VAL_FILE = "val.jsonl"  # with --val-rows
 SETTINGS = "programs.json"
 MAX_REDRAWS = 10_000  # consecutive training draws that all fell on held-out programs: the task is (almost) covered
 
@@ -296,11 +297,14 @@ def _files_at_once(out: str, names, overwrite: bool):
 
 def write_program_files(out: str, num_vars: int, statements: int, rows: int, test_rows: int, seed: int = 0,
                         test_statements: int | None = None, print_fraction: float | None = None,
-                        if_true: float | None = None, overwrite: bool = False, grammar: str = "published") -> dict:
+                        if_true: float | None = None, overwrite: bool = False, grammar: str = "published",
+                        val_rows: int = 0) -> dict:
     """Write ``out/train.jsonl`` (``rows`` programs of ``statements``), ``out/test.jsonl`` (``test_rows`` programs
-    of ``test_statements``, default ``statements``; none of them a training program) and ``out/programs.json``;
-    returns the settings and counts written to the latter. ``print_fraction`` / ``if_true`` (default 0.2 / 0.5)
-    belong to the ``fullband`` grammar only."""
+    of ``test_statements``, default ``statements``), with ``val_rows`` > 0 ``out/val.jsonl`` (validation programs of
+    ``statements``, stream ``val``, none a test program; no training program is a test or validation program) and
+    ``out/programs.json``; returns the settings and counts written to the latter. ``print_fraction`` / ``if_true``
+    (default 0.2 / 0.5) belong to the ``fullband`` grammar only. The published split: ``rows`` 10,000, ``val_rows``
+    and ``test_rows`` 1,000."""
     test_statements = statements if test_statements is None else test_statements
     if grammar not in GRAMMARS:
         raise ValueError(f"--grammar must be one of {', '.join(GRAMMARS)}, got {grammar!r}")
@@ -315,8 +319,9 @@ def write_program_files(out: str, num_vars: int, statements: int, rows: int, tes
         check_options(num_vars, statements, print_fraction, if_true)
         if test_statements < num_vars + 1:
             raise ValueError(f"--test-statements must be at least --vars + 1 = {num_vars + 1}, got {test_statements}")
-    if rows < 1 or test_rows < 1:
-        raise ValueError(f"--rows and --test-rows must be >= 1, got {rows} and {test_rows}")
+    if rows < 1 or test_rows < 1 or val_rows < 0:
+        raise ValueError(f"--rows and --test-rows must be >= 1 and --val-rows >= 0, got {rows}, {test_rows} and "
+                         f"{val_rows}")
     options = (print_fraction, if_true) if grammar == "fullband" else ()
 
     def test_programs():
@@ -326,25 +331,37 @@ def write_program_files(out: str, num_vars: int, statements: int, rows: int, tes
             held_out.add(p.key())
             yield p
 
-    def train_programs():
-        rng = split_rng(seed, "train")
-        for _ in range(rows):
+    def apart(split: str, count: int, exclude: set):
+        """``count`` programs of stream ``split``, one whose key is in ``exclude`` drawn again."""
+        rng = split_rng(seed, split)
+        for _ in range(count):
             for _ in range(MAX_REDRAWS):
                 p = grammar_program(grammar, rng, num_vars, statements, *options)
-                if p.key() not in held_out:
+                if p.key() not in exclude:
                     break
             else:
-                raise ValueError(f"the {test_rows} test programs cover (almost) every program of {statements} "
-                                 "statements: raise --statements or lower --test-rows")
-            assert p.key() not in held_out
+                raise ValueError(f"the {test_rows + val_rows} test and validation programs cover (almost) every "
+                                 f"program of {statements} statements: raise --statements or lower --test-rows / "
+                                 "--val-rows")
+            assert p.key() not in exclude
+            yield p
+
+    def val_programs():
+        test_keys = set(held_out)
+        for p in apart("val", val_rows, test_keys):
+            held_out.add(p.key())
             yield p
 
     held_out: set[bytes] = set()
-    with _files_at_once(out, (*FILES, SETTINGS), overwrite) as paths:
+    names = (*FILES, VAL_FILE) if val_rows else FILES
+    with _files_at_once(out, (*names, SETTINGS), overwrite) as paths:
         with open(paths["test.jsonl"], "w", encoding="utf-8") as f:
             test = _write_rows(f, test_programs())
+        if val_rows:
+            with open(paths[VAL_FILE], "w", encoding="utf-8") as f:
+                val = _write_rows(f, val_programs())
         with open(paths["train.jsonl"], "w", encoding="utf-8") as f:
-            train = _write_rows(f, train_programs())
+            train = _write_rows(f, apart("train", rows, held_out))
         unknown = sorted(test[3] - train[3])
         if unknown:
             raise ValueError(f"the test programs use word(s) {' '.join(unknown)} that no training program has (the "
@@ -358,8 +375,10 @@ def write_program_files(out: str, num_vars: int, statements: int, rows: int, tes
             info |= {"print_fraction": print_fraction, "if_true": if_true}
         info |= {
                 "splits": {name: {"rows": c[0], "statements": st, "targets": c[1], "max_length": c[2]}
-                           for name, c, st in (("train", train, statements), ("test", test, test_statements))},
-                "overlap": "no test program's input equals a training program's (row_key of the whole input)"}
+                           for name, c, st in (("train", train, statements), ("test", test, test_statements))
+                           + ((("val", val, statements),) if val_rows else ())},
+                "overlap": "no test or validation program's input equals a training program's, no validation "
+                           "program's a test program's (row_key of the whole input)"}
         with open(paths[SETTINGS], "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2)
     return info

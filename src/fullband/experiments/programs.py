@@ -2,17 +2,20 @@
 ``if`` and ``print`` statements over 3 or 5 variables with values 1..10, scored on the printed values -- FBT with L
 layers against plain models of L, 2L and 4L layers and the equal-FLOPs plain controls.
 
-Owns the experiment: its arms, the programs each seed trains and is tested on, training them through ``fullband
-train``'s labelled recipe, scoring every decode mode, the held-out check and the results. The analysis, tables and
-report are :mod:`fullband.experiments.programs_report`'s. Built on:
+Owns the experiment: its arms, training them through ``fullband train``'s labelled recipe, the LR choice on the
+validation programs, scoring every decode mode, the learning curves and the results. The programs each seed trains,
+chooses and is tested on are :mod:`fullband.experiments.programs_data`'s; the analysis, tables, figures and report
+:mod:`fullband.experiments.programs_report`'s. Built on:
 
 * the task of :mod:`fullband.eval.program_tasks` (the generator of ``fullband data make-programs``), in the
   grammar ``--grammar`` names: ``published`` (the default: Fan et al.'s generator as they published it) or
-  ``fullband`` (the package's earlier variant, the one the committed 20-statement results used): seed S trains on
-  exactly the programs of ``fullband data make-programs --grammar G --vars V --statements N --rows R --test-rows M
-  --seed S`` (``train.jsonl``) and is tested on its ``test.jsonl`` (N statements) plus ``--test-statements`` longer programs
-  (each length its own stream, ``test-{n}.jsonl`` in ``OUT/seed{S}/data/``: length generalisation); no training
-  program is a test program of any length (drawn apart, then checked on the training rows themselves, by
+  ``fullband`` (the package's earlier variant, the one the committed 20-statement results used), at the published
+  sizes by default (10,000 training, 1,000 validation and 1,000 test programs per seed): seed S trains on exactly
+  the programs of ``fullband data make-programs --grammar G --vars V --statements N --rows R --val-rows V --test-rows
+  M --seed S`` (``train.jsonl``), chooses on its ``val.jsonl`` and is tested on its ``test.jsonl`` (N statements)
+  plus ``--test-statements`` longer programs (each length its own stream, ``test-{n}.jsonl`` in
+  ``OUT/seed{S}/data/``: length generalisation); no training program is a test or validation program, no
+  validation program a test program (drawn apart, then checked on the training rows themselves, by
   :func:`fullband.data.labelled.row_key`, before anything trains and again before each arm is scored);
 * the training of :mod:`fullband.training.labelled` (the loss only at the printed values, rows padded, never
   packed) through the synthetic experiments' machinery (:mod:`fullband.experiments.synthetic`: the same random
@@ -39,6 +42,13 @@ Arms (equal tokens: the same steps on the same programs, except the two controls
 * not in the default set (``--arms``): ``fbt-L-glu-fb`` (full backpropagation through the token-by-token
   recurrence, blocks of 8 recomputed).
 
+LRs (``--lrs 1e-3,2e-3,4e-3``): every arm trains at each LR and keeps, per seed, the one whose model scores its
+validation programs best in the arm's headline mode (``exact`` for FBT, ``standard`` for plain; a tie: the smaller);
+the controls match the chosen FBT run's FLOPs and are chosen the same way; the test programs are scored only at the
+chosen LR. Without ``--lrs`` one LR, ``--lr``, whose runs are ``OUT/seed{N}/runs/{arm}/`` (the other LRs' are
+``runs/lr{LR}/{arm}/``: a search added to a finished experiment trains only the new LRs). Every run evaluates its
+held-out target loss on 256 of the validation programs ten times (:data:`EVAL`): the learning curves.
+
 Every arm trains with the stability guard's spike skip off (``--spike-factor 0``; a non-finite step is still
 skipped): the exact-states FBT arm has one-step loss spikes that the next step undoes, which skipping makes
 permanent (:data:`GUARD`).
@@ -48,31 +58,34 @@ runs); a later invocation with more seeds trains only the new ones. Runs that ou
 checkpoint every ``--save-every`` steps (default 250) with what it reads, and the same command run again after its
 process ended mid-run (killed, out of time) continues that run from its last checkpoint, bit for bit (weights,
 losses and results equal an uninterrupted run's: tests/test_programs_experiment.py kills one and compares); finished
-runs are reused. Writes ``results.json`` (per-program results
-in ``per_seed``), ``report.md`` and ``programs.png`` into ``--out``.
+runs are reused. Writes ``results.json`` (per-program results in ``per_seed``; the LR search in ``lr_search``; the
+learning curves in ``curves``), ``report.md``, ``programs.png`` (accuracy against length) and ``programs-curves.png``
+(the learning curves) into ``--out``.
 
 The default is sized for a 2-core CPU: 20 statements (rows of ~88 tokens, at most ~125), d64 L2, 2,000 steps x 32
-programs; one seed's default arms train in about half an hour at 1 thread (measured per step at load 1.7-3.4:
+programs (each training program read 6.4 times); one seed's default arms train in about half an hour at 1 thread
+(measured per step at load 1.7-3.4, before the validation split:
 baseline-L 0.05-0.07 s, 2L 0.11-0.13 s, 4L 0.22 s, fbt-L-glu-x2 0.29 s, the controls 0.05-0.06 s for ~2.5x the
 steps), longer under more load. On a GPU, 100 statements (the paper's length; rows of ~445 tokens, at most ~530;
-200-statement tests ~890, at most ~1,000, inside the 2,048 positions; the peak LR is the CPU default's, untried at
-this size)::
+200-statement tests ~890, at most ~1,000, inside the 2,048 positions; the LRs chosen on the validation programs
+from three around the CPU default's, untried at this size)::
 
-    fullband experiment programs --device cuda --statements 100 --test-statements 100,200 --rows 200000 \\
-        --test-rows 1000 --layers 4 --hidden 192 --heads 6 --steps 20000 --batch-size 128 \\
-        --seeds 0,1 --out runs/experiments/programs-100
+    fullband experiment programs --device cuda --statements 100 --test-statements 100,200 \\
+        --layers 4 --hidden 256 --heads 4 --steps 20000 --batch-size 128 --lrs 5e-4,1e-3,2e-3 \\
+        --save-every 1000 --seeds 0,1,2 --out runs/experiments/programs-100
 
-(``fullband train --dry-run --plan-gpu h100`` at d192 L4, batch 128 x 512 tokens: a plain step 0.87 TFLOP, the
-exact-states step 2.10 TFLOP plus 10.2M dependent token steps over the run, ~1.7 h for the FBT arm at its
-assumed 0.15 ms per layer and token step; the 16-layer plain arm ~3 min at 40% MFU; not run.)
+(the FT paper's shapes: its Feedback Transformer 4 layers d256, its Transformer 8 layers: ``baseline-2L``).
+``--dry-run [--plan-gpu h100] [--json]`` prints what such an experiment would cost, per arm and in all
+(:mod:`fullband.experiments.programs_plan`: each arm's ``fullband train --dry-run`` plan of the configuration it would
+train; the exact-states arm's token-by-token pass at an assumed, not measured, time per layer and step): for the
+command above 54 runs, 3.2 EFLOP, 17.6 h on one H100 at 40% MFU, of which the FBT arm is 1.7 h a run, nearly all of
+it its 10.24M dependent token steps at the assumed 0.15 ms per layer and step.
 """
 
 from __future__ import annotations
 
 import argparse
-import array
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -80,28 +93,26 @@ import platform
 import sys
 import time
 
-import numpy as np
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..data.labelled import LabelledData, LabelledRows, encode_row, labelled_tokenizer, row_key
 from ..eval.flops import flop_parameters, inference_flops, training_flops
 from ..eval.labelled import PROMPT_MODES, read_test_rows, score_rows
-from ..eval.program_tasks import (GRAMMARS, HIGH, LOW, MAX_REDRAWS, PUBLISHED_VARIABLES, VALUES, VARIABLES,
-                                  check_options, grammar_program, grammar_words, split_rng)
+from ..eval.program_tasks import GRAMMARS, PUBLISHED_VARIABLES, VALUES, check_options
 from ..eval.scoring import load_any_model
 from ..model.configuration import has_feedback
 from ..training.device import load_average
 from ..training.distributed import resolve_device
 from ..training.labelled import LabelledRecipe
-from ..utils.io import atomic_write_json, rewrite_jsonl
+from ..utils.io import atomic_write_json, read_jsonl
 from . import synthetic
 from .common import apply_quick, pick_arms, refuse_changed_runs, write_outputs
-from .programs_report import analyse, plot, report, tables
+from .programs_data import POSITIONS, SeedData, program_tokenizer
+from .programs_plan import format_programs_plan, plan_programs
+from .programs_report import accuracy, analyse, plot, plot_curves, report, tables
 from .synthetic import (CONTROL_ARMS, EPOCHS_ARM, FLOPS_ARM, Arm, arm_config, control_reference, mode_cost,
                         run_flops, train_arm, train_controls)
 
-POSITIONS = 2048  # the backbones' position limit (the synthetic experiments' 256 would not hold 100 statements)
 LONG = dict(feedback_start=0.0, deep_fraction=0.0, prefix_mix=0.0)  # the recurrence from the first step
 # the stability guard skips no finite loss spike (non-finite steps are still skipped), in every arm: a step of the
 # exact-states FBT arm can spike and the next undo it (7.38 then 2.32 at steps 84 / 85 of a 20-statement pilot),
@@ -113,10 +124,10 @@ PLAIN_MODES = (("standard", "standard", 1),)
 FBT_MODES = PLAIN_MODES + (("K=2", "passes", 2), ("exact", "exact", None), ("soft", "soft", None),
                            ("fused", "fused", None))
 DEFAULTS = dict(out=os.path.join("runs", "experiments", "programs"), grammar="published", vars=3, statements=20,
-                test_statements=None,
-                rows=None, test_rows=200, layers=2, hidden=64, heads=4, steps=2000, batch_size=32, lr=2e-3,
-                seeds="0", save_every=250)
-QUICK = dict(statements=6, test_rows=8, layers=1, hidden=32, heads=2, steps=6, batch_size=8)
+                test_statements=None, rows=10_000, val_rows=1000, test_rows=1000, layers=2, hidden=64, heads=4,
+                steps=2000, batch_size=32, lr=2e-3, lrs=None, seeds="0", save_every=250)  # the published split
+QUICK = dict(statements=6, rows=48, val_rows=8, test_rows=8, layers=1, hidden=32, heads=2, steps=6, batch_size=8)
+EVAL = dict(eval_rows=256)  # the periodic held-out loss (the learning curves): 256 validation programs
 TAG = "programs"
 
 
@@ -134,153 +145,10 @@ def make_arms() -> dict[str, Arm]:
             Arm("fbt-L-glu-fb", "L layers, pure GLU, full backpropagation through the token-by-token recurrence on "
                 "every step (--full-backprop --backprop-chunk 8)", 1,
                 dict(num_passes=2, full_backprop=True, backprop_chunk=8, fusion="glu", **LONG))]
-    return {a.name: dataclasses.replace(a, settings=a.settings | GUARD) for a in arms}
+    return {a.name: dataclasses.replace(a, settings=a.settings | GUARD | EVAL) for a in arms}
 
 
-# ---------------------------------------------------------------------------------------------- programs
-
-
-def program_tokenizer(num_vars: int, grammar: str = "published"):
-    """The one vocabulary of every arm and corpus of a run (the specials, the variables, the operators, the values),
-    fixed, not read from the rows: the fresh programs of the FLOPs control must not reorder it."""
-    return labelled_tokenizer(grammar_words(grammar, num_vars))
-
-
-def draw_programs(seed: int, split: str, count: int, num_vars: int, statements: int, exclude=frozenset(),
-                  grammar: str = "published") -> list:
-    """``count`` programs of the stream ``split`` (:func:`fullband.eval.program_tasks.split_rng`), a program whose key
-    is in ``exclude`` drawn again: the ``train`` stream with the test keys excluded is exactly ``fullband data
-    make-programs``'s ``train.jsonl``, the ``test`` stream its ``test.jsonl``."""
-    rng, out = split_rng(seed, split), []
-    for _ in range(count):
-        for _ in range(MAX_REDRAWS):
-            p = grammar_program(grammar, rng, num_vars, statements)
-            if p.key() not in exclude:
-                break
-        else:
-            raise ValueError(f"the test programs cover (almost) every program of {statements} statements: raise "
-                             "--statements or lower --test-rows")
-        out.append(p)
-    return out
-
-
-class ProgramData(LabelledData):
-    """Labelled rows built in memory from programs (one vocabulary: :func:`program_tokenizer`), all of them training
-    rows; ``train_rows`` is what :func:`fullband.experiments.synthetic.arm_config` reads of a corpus (its shape:
-    rows x ``info["seq_len"]``, the runs' ``--seq-len``), a tensor without storage."""
-
-    @property
-    def train_rows(self) -> torch.Tensor:
-        return torch.empty(len(self.train), self.info["seq_len"], device="meta")
-
-
-def program_data(programs: list, tokenizer, what: str, seq_len: int = 0) -> ProgramData:
-    """The training rows of ``programs`` (no validation split) with their fingerprint (the vocabulary and every id and
-    label: the identity of the data a run reads); ``seq_len``: the longest row's ids, or ``seq_len`` when that is
-    more (the FLOPs control's programs take their baseline's, so that both count a step's tokens alike)."""
-    vocab = tokenizer.get_vocab()
-    ids, labels, offsets = array.array("i"), array.array("i"), array.array("q", [0])
-    longest = targets = 0
-    for i, p in enumerate(programs):
-        x, y = encode_row(p.inputs, p.targets, vocab, f"{what} {i}")
-        ids.extend(x)
-        labels.extend(y)
-        offsets.append(offsets[-1] + len(x))
-        longest, targets = max(longest, len(p.inputs)), targets + sum(t is not None for t in p.targets)
-    train = LabelledRows(*(np.frombuffer(a, t) for a, t in ((ids, np.int32), (labels, np.int32), (offsets, np.int64))))
-    empty = LabelledRows(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(1, np.int64))
-    h = hashlib.sha256(json.dumps(sorted(vocab.items())).encode())
-    for a in (train.ids, train.labels, train.offsets):
-        h.update(a.tobytes())
-    info = {"format": "fullband-programs", "source": what, "vocab_size": len(tokenizer),
-            "seq_len": max(seq_len, longest + 2),
-            "splits": {"train": {"rows": len(programs), "ids": len(ids), "max_length": longest, "targets": targets},
-                       "val": {"rows": 0, "ids": 0, "max_length": 0, "targets": 0}}}
-    return ProgramData(tokenizer, train, empty, h.hexdigest(), info)
-
-
-def row_keys(data: LabelledData) -> list[bytes]:
-    """:func:`fullband.data.labelled.row_key` of every training row, read back from its ids (not from the programs
-    it was built from)."""
-    words = {i: w for w, i in data.tokenizer.get_vocab().items()}
-    return [row_key([words[int(t)] for t in data.train.row(i)[0][1:-1]]) for i in range(len(data.train))]
-
-
-def refuse_held_out(data: LabelledData, test_keys: set, what: str) -> int:
-    """A one-line ``ValueError`` when a training row of ``data`` is a test program (nothing is scored on programs an
-    arm trained on); else the number of training rows checked."""
-    keys = row_keys(data)
-    n = sum(k in test_keys for k in keys)
-    if n:
-        raise ValueError(f"{what}: {n} of its {len(keys)} training programs are test programs; the experiment refuses "
-                         "to score programs an arm trained on")
-    return len(keys)
-
-
-def refuse_long(programs: list, what: str) -> None:
-    """A one-line ``ValueError`` when a program's row (``<bos>`` + inputs + ``<eos>``) is past :data:`POSITIONS`."""
-    longest = max(len(p.inputs) for p in programs) + 2
-    if longest > POSITIONS:
-        raise ValueError(f"{what}: a program is {longest} tokens (<bos> + inputs + <eos>), past the backbones' "
-                         f"{POSITIONS} positions; use fewer statements")
-
-
-class SeedData:
-    """One seed's programs: the test programs of each length (drawn first), the training programs (none of them a
-    test program) and, on demand, the FLOPs control's fresh ones. Nothing is written until :meth:`write`."""
-
-    def __init__(self, args, tokenizer):
-        self.args, self.tokenizer = args, tokenizer
-        self.tests, self.keys = {}, set()
-        for n in args.test_lengths:
-            split = "test" if n == args.statements else f"test-{n}"
-            self.tests[n] = draw_programs(args.seed, split, args.test_rows, args.vars, n, grammar=args.grammar)
-            refuse_long(self.tests[n], f"--test-statements {n}")
-            self.keys |= {p.key() for p in self.tests[n]}
-        programs = draw_programs(args.seed, "train", args.rows, args.vars, args.statements, self.keys, args.grammar)
-        refuse_long(programs, f"--statements {args.statements}")
-        self.train = program_data(programs, tokenizer, "training programs")
-        self.checked = {id(self.train): refuse_held_out(self.train, self.keys, "the training programs")}
-
-    def fresh(self, a, steps: int) -> ProgramData:
-        """The FLOPs control's fresh programs (stream ``fresh``, none a test program), as many as make its ``steps``
-        steps read each one as often as baseline-L's ``--steps`` read baseline-L's ``--rows``."""
-        count = math.ceil(self.args.rows * steps / self.args.steps)
-        programs = draw_programs(self.args.seed, "fresh", count, self.args.vars, self.args.statements, self.keys,
-                                 self.args.grammar)
-        refuse_long(programs, "the fresh programs")
-        data = program_data(programs, self.tokenizer, "fresh programs", self.train.info["seq_len"])
-        self.checked[id(data)] = refuse_held_out(data, self.keys, "the fresh programs")
-        return data
-
-    def check(self, data: LabelledData, arm: str) -> int:
-        """Before ``arm`` is scored: its training rows against every test program (once per corpus)."""
-        if id(data) not in self.checked:
-            self.checked[id(data)] = refuse_held_out(data, self.keys, arm)
-        return self.checked[id(data)]
-
-    def path(self, n: int) -> str:
-        name = "test.jsonl" if n == self.args.statements else f"test-{n}.jsonl"
-        return os.path.join(self.args.out, "data", name)
-
-    def write(self) -> None:
-        """The test programs as labelled jsonl (what ``fullband eval labelled RUN --data FILE`` reads) and
-        ``programs.json``: the settings, counts and the ``make-programs`` command of the training programs."""
-        a = self.args
-        for n, programs in self.tests.items():
-            rewrite_jsonl(self.path(n), [p.row() for p in programs])
-        tr = self.train.info["splits"]["train"]
-        atomic_write_json(os.path.join(a.out, "data", "programs.json"), {
-            "grammar": a.grammar, "variables": list((PUBLISHED_VARIABLES if a.grammar == "published" else
-                                                     VARIABLES)[:a.vars]), "values": [LOW, HIGH], "seed": a.seed,
-            "train": {"rows": tr["rows"], "statements": a.statements, "targets": tr["targets"],
-                      "max_length": tr["max_length"],
-                      "command": f"fullband data make-programs --grammar {a.grammar} --vars {a.vars} --statements "
-                                 f"{a.statements} --rows "
-                                 f"{a.rows} --test-rows {a.test_rows} --seed {a.seed} --out DIR (its train.jsonl)"},
-            "test": {str(n): {"rows": len(ps), "file": os.path.basename(self.path(n)),
-                              "targets": sum(t is not None for p in ps for t in p.targets),
-                              "max_length": max(len(p.inputs) for p in ps)} for n, ps in self.tests.items()}})
+# ---------------------------------------------------------------------------------------------- training
 
 
 def init_backbone(args, tokenizer, depth: int) -> str:
@@ -295,27 +163,92 @@ def init_backbone(args, tokenizer, depth: int) -> str:
     return path
 
 
-# ---------------------------------------------------------------------------------------------- training
+def searched(arm: Arm, lr: float, default: float) -> Arm:
+    """``arm`` at peak LR ``lr``: at ``--lr`` (``default``) its run is ``runs/{arm}`` (the layout of a run without a
+    search, so adding ``--lrs`` to a finished experiment trains only the other LRs), at another LR of ``--lrs``
+    ``runs/lr{lr}/{arm}``."""
+    return arm if lr == default else dataclasses.replace(arm, name=f"lr{lr:g}/{arm.name}")
 
 
-def train_all(args, arms: dict, names: list[str], data: SeedData, say) -> tuple[dict, dict]:
-    """Train (or reuse) every arm of one seed; ``({name: (cfg, seconds, FLOPs)}, {name: its training rows})``. A run
-    the stability guard stopped is a one-line error naming the arm, its run directory (the seed) and the step
-    (:class:`fullband.utils.errors.TrainingStopped`); the finished arms are kept and reused, the stopped one resumed
-    from its last good step, by the next invocation."""
-    out, corpora = {}, {}
+def with_lr(args, lr: float):
+    return argparse.Namespace(**(vars(args) | {"lr": lr}))
+
+
+def headline(model) -> tuple:
+    """The mode an arm is chosen and judged in: ``exact`` for FBT (the recurrence it trains on), ``standard``
+    for a plain model."""
+    return FBT_MODES[2] if has_feedback(model) else PLAIN_MODES[0]
+
+
+def val_accuracy(cfg, val_rows: list, device: str) -> float:
+    """Accuracy on the printed values of the validation programs, the finished run's model in its
+    :func:`headline` mode."""
+    model = load_any_model(cfg.out, device=device)[0].eval()
+    _, mode, k = headline(model)
+    return accuracy([r["correct"] for r in score_rows(model, val_rows, mode, k or 2, 0, 1, batch_size=256)])
+
+
+def train_all(args, arms: dict, names: list[str], data: SeedData, val_rows: list, device: str, say) -> tuple:
+    """Train (or reuse) every arm of one seed at every LR of ``args.lrs``, each arm's LR chosen on the validation
+    programs (its :func:`headline` accuracy; a tie: the smaller LR); ``({name: (cfg, seconds, FLOPs)} at the chosen
+    LR, {name: its training rows}, {name: {"lr": chosen, "val_accuracy": {lr: accuracy}}})``. The controls match
+    the chosen FBT run's FLOPs. A run the stability guard stopped is a one-line error naming the arm, its run
+    directory (the seed) and the step (:class:`fullband.utils.errors.TrainingStopped`); the finished runs are kept
+    and reused, the stopped one resumed from its last good step, by the next invocation."""
+    out, corpora, chosen = {}, {}, {}
+
+    def pick(name: str, tried: dict) -> None:
+        accs = {lr: val_accuracy(t[0], val_rows, device) for lr, t in tried.items()}
+        best = max(sorted(accs), key=lambda lr: accs[lr])  # the first maximum in LR order: ties take the smaller
+        out[name], chosen[name] = tried[best], {"lr": best, "val_accuracy": {f"{lr:g}": v for lr, v in accs.items()},
+                                                "seconds": sum(t[1] or 0.0 for t in tried.values())}
+
     for name in (n for n in names if n not in CONTROL_ARMS):
-        cfg, elapsed = train_arm(args, arms[name], data.train, say, LabelledRecipe, TAG)
-        out[name], corpora[name] = (cfg, elapsed, run_flops(cfg)), data.train
+        tried = {}
+        for lr in args.lrs:
+            cfg, elapsed = train_arm(with_lr(args, lr), searched(arms[name], lr, args.lr), data.train, say,
+                                     LabelledRecipe, TAG)
+            tried[lr] = (cfg, elapsed, run_flops(cfg))
+        pick(name, tried)
+        corpora[name] = data.train
+    controls = [n for n in names if n in CONTROL_ARMS]
+    if controls:
+        ref, tried = control_reference(names), {n: {} for n in controls}
 
-    def fresh(a, steps):
-        corpora[FLOPS_ARM] = data.fresh(a, steps)
-        return corpora[FLOPS_ARM]
+        def fresh(a, steps):
+            corpora[FLOPS_ARM] = data.fresh(a, steps)  # the same corpus at every LR
+            return corpora[FLOPS_ARM]
 
-    train_controls(args, arms, names, out, data.train, fresh, say, LabelledRecipe, TAG)
-    if EPOCHS_ARM in out:
-        corpora[EPOCHS_ARM] = data.train
-    return out, corpora
+        for lr in args.lrs:
+            at = {n: searched(arm, lr, args.lr) for n, arm in arms.items()}
+            trained = {ref: out[ref]}
+            train_controls(with_lr(args, lr), at, names, trained, data.train, fresh, say, LabelledRecipe, TAG)
+            for n in controls:
+                tried[n][lr] = trained[at[n].name]
+        for n in controls:
+            pick(n, tried[n])
+        if EPOCHS_ARM in controls:
+            corpora[EPOCHS_ARM] = data.train
+    return out, corpora, chosen
+
+
+def curves(cfg, points: int = 40) -> dict:
+    """A run's learning curves from its ``metrics.jsonl``: the training objective, the mean over windows of
+    steps (at most ``points``), as ``[[last step, loss]]``, and every periodic evaluation on the validation programs
+    (``[[step, held-out target loss standard, fed back (exact) or None]]``); a step logged twice (a resumed run)
+    counts once, its last record."""
+    train, val = {}, {}
+    for r in read_jsonl(os.path.join(cfg.out, "metrics.jsonl")):
+        if r.get("split") == "train" and r.get("loss") is not None:
+            train[r["step"]] = r["loss"]
+        elif r.get("split") == "val":
+            val[r["step"]] = [r["step"], round(r["val_loss"], 5),
+                              None if r.get("val_loss_passes") is None else round(r["val_loss_passes"], 5)]
+    steps = sorted(train)
+    w = max(1, math.ceil(len(steps) / points))
+    windows = [steps[i:i + w] for i in range(0, len(steps), w)]
+    return {"train": [[win[-1], round(sum(train[t] for t in win) / len(win), 5)] for win in windows],
+            "val": [val[t] for t in sorted(val)]}
 
 
 def k_exact_flops(model, cfg) -> float:
@@ -372,9 +305,9 @@ def comma_ints(text, flag: str, example: str, least: int = 0) -> list[int]:
 
 
 def check_args(args) -> list[int]:
-    """Every option checked before anything is drawn or written (one-line ``ValueError``s); fills in ``rows``
-    (``--steps`` x ``--batch-size`` when not given: each program read once by the equal-token arms) and
-    ``test_lengths``; returns the seeds (``--seeds``, or ``--seed N``: one)."""
+    """Every option checked before anything is drawn or written (one-line ``ValueError``s); fills in ``lrs`` (the
+    LRs to search; ``[--lr]`` without ``--lrs``) and ``test_lengths``; returns the seeds (``--seeds``, or ``--seed
+    N``: one)."""
     for name in ("steps", "batch_size", "test_rows", "layers", "hidden", "heads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -382,6 +315,10 @@ def check_args(args) -> list[int]:
         raise ValueError(f"--hidden {args.hidden} must be --heads {args.heads} times an even head width (RoPE)")
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    args.lrs = comma_floats(args.lrs, "--lrs") if args.lrs else [args.lr]
+    if args.val_rows < (1 if len(args.lrs) > 1 else 0):
+        raise ValueError(f"--lrs {','.join(f'{x:g}' for x in args.lrs)} chooses on the validation programs: "
+                         f"--val-rows must be >= 1, got {args.val_rows}")
     if args.grammar not in GRAMMARS:
         raise ValueError(f"--grammar must be one of {', '.join(GRAMMARS)}, got {args.grammar!r}")
     least = first_print(args.grammar, args.vars)
@@ -390,9 +327,8 @@ def check_args(args) -> list[int]:
     elif not 1 <= args.vars <= len(PUBLISHED_VARIABLES) or args.statements < least:
         raise ValueError(f"--vars must be in 1..{len(PUBLISHED_VARIABLES)} and --statements >= {least}, got "
                          f"{args.vars} and {args.statements}")
-    args.rows = args.steps * args.batch_size if args.rows is None else args.rows
-    if args.rows < 1:
-        raise ValueError(f"--rows must be >= 1, got {args.rows}")
+    if args.rows < 1 or args.val_rows < 0:
+        raise ValueError(f"--rows must be >= 1 and --val-rows >= 0, got {args.rows} and {args.val_rows}")
     text = args.test_statements or f"{args.statements},{2 * args.statements}"
     lengths = comma_ints(text, "--test-statements", "20,40", least)
     if args.statements not in lengths:
@@ -403,6 +339,18 @@ def check_args(args) -> list[int]:
         raise ValueError("give --seeds or --seed, not both (--seed N is --seeds N)")
     return comma_ints(args.seeds if args.seeds is not None else args.seed if args.seed is not None
                       else DEFAULTS["seeds"], "--seeds", "0,1")
+
+
+def comma_floats(text, flag: str) -> list[float]:
+    """Distinct positive numbers of a comma-separated ``flag`` value, ascending; a one-line ``ValueError``
+    otherwise."""
+    try:
+        values = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, e.g. 1e-3,2e-3,4e-3; got {text!r}") from None
+    if not values or min(values) <= 0 or not all(map(math.isfinite, values)) or len(set(values)) != len(values):
+        raise ValueError(f"{flag} needs distinct numbers > 0, got {text!r}")
+    return sorted(values)
 
 
 def first_print(grammar: str, num_vars: int) -> int:
@@ -435,35 +383,47 @@ def run_programs(args) -> dict:
     args.seeds, args.seed = ",".join(map(str, seeds)), None
     t0, load0 = time.perf_counter(), load_average()
     tokenizer = program_tokenizer(args.vars, args.grammar)
+    if getattr(args, "dry_run", False):  # the GPU plan: the first seed's programs drawn, nothing written or trained
+        a = argparse.Namespace(**(vars(seed_args(args, seeds[0])) | {"seed_list": seeds}))
+        plan = plan_programs(a, arms, names, SeedData(a, tokenizer), init_backbone, args.plan_gpu, args.plan_mfu)
+        print(json.dumps(plan, indent=2) if args.json else format_programs_plan(plan, a), end="")
+        return plan
     runs = {s: seed_args(args, s) for s in seeds}
     data = {s: SeedData(a, tokenizer) for s, a in runs.items()}  # every refusal of the programs: nothing written yet
     device = str(resolve_device(args.device))
     for s, a in runs.items():  # before anything trains: a finished run of other options or data is refused
         for depth in sorted({arms[n].depth for n in names}):
             init_backbone(a, tokenizer, depth)
-        refuse_changed_runs([arm_config(a, arms[n], data[s].train) for n in names if n not in CONTROL_ARMS],
+        refuse_changed_runs([arm_config(with_lr(a, lr), searched(arms[n], lr, args.lr), data[s].train)
+                             for n in names if n not in CONTROL_ARMS for lr in args.lrs],
                             data[s].train, args.overwrite)
     prompt = prompt_tokens(args.grammar, args.vars)
     res = {"arms": names, "arm_descriptions": {n: arms[n].description for n in names}, "seeds": seeds,
            "settings": {k: getattr(args, k) for k in DEFAULTS if k not in ("out", "seeds")} | {
                "test_statements": args.test_lengths, "quick": bool(args.quick), "prompt_tokens": prompt,
+               "lrs": args.lrs,
                "positions": POSITIONS, "seq_len": data[seeds[0]].train.train_rows.shape[1]},
-           "chance": 1.0 / len(VALUES), "runs": {}, "per_seed": {}, "held_out": {}}
+           "chance": 1.0 / len(VALUES), "runs": {}, "per_seed": {}, "held_out": {}, "lr_search": {},
+           "curves": {}}
     ref_fp = flop_parameters(load_any_model(init_backbone(runs[seeds[0]], tokenizer, 1))[0])
     for s, a in runs.items():
         data[s].write()
-        trained, trained_on = train_all(a, arms, names, data[s], say)
+        val_rows = read_test_rows(data[s].path("val"), tokenizer)
+        trained, trained_on, chosen = train_all(a, arms, names, data[s], val_rows, device, say)
         tests = {n: read_test_rows(data[s].path(n), tokenizer) for n in args.test_lengths}
         res["per_seed"][str(s)], res["held_out"][str(s)] = {}, {}
+        res["lr_search"][str(s)] = chosen
+        res["curves"][str(s)] = {name: curves(trained[name][0]) for name in names}
         for name in names:
             cfg, elapsed, flops = trained[name]
             checked = data[s].check(trained_on[name], name)  # never score a program an arm trained on
-            res["held_out"][str(s)][name] = {"training_rows_checked": checked,
-                                             "test_programs": len(data[s].keys)}
+            res["held_out"][str(s)][name] = {"training_rows_checked": checked, "test_programs": len(data[s].keys),
+                                             "validation_programs": len(data[s].val)}
             model = load_any_model(cfg.out, device=device)[0].eval()
             t = time.perf_counter()
             say(f"{TAG}: scoring {name} (seed {s})")
             res["per_seed"][str(s)][name] = {"train_seconds": elapsed, "steps": cfg.steps, "train_flops": flops,
+                                             "search_seconds": chosen[name]["seconds"],
                                              "correct": score_arm(model, tests, prompt),
                                              "eval_seconds": time.perf_counter() - t}
             if name not in res["runs"]:  # per arm: the first seed's model (the same shapes in every seed)
@@ -476,13 +436,15 @@ def run_programs(args) -> dict:
     for name in names:
         per = [res["per_seed"][str(s)][name] for s in seeds]
         res["runs"][name] |= {"steps": per[0]["steps"], "train_flops": sum(r["train_flops"] for r in per) / len(per),
-                              "train_seconds": sum(r["train_seconds"] or 0.0 for r in per)}
+                              "train_seconds": sum(r["train_seconds"] or 0.0 for r in per),
+                              "search_seconds": sum(r["search_seconds"] for r in per)}
     res |= analyse(res)
     res["seconds"], res["load_average"] = time.perf_counter() - t0, [load0, load_average()]
     res["threads"], res["torch"], res["platform"] = torch.get_num_threads(), torch.__version__, platform.platform()
     os.makedirs(args.out, exist_ok=True)
     text = tables(res)
     res["plot"] = plot(res, os.path.join(args.out, "programs.png"))
+    res["curves_plot"] = plot_curves(res, os.path.join(args.out, "programs-curves.png"))
     write_outputs(args.out, res, report(res, text), text, args.json, omit=("per_seed",),
                   lead=f"{len(seeds)} seed(s), ")
     return res

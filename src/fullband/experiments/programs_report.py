@@ -14,7 +14,7 @@ several); ``{min..max}`` beside it is the range of the per-seed values."""
 from __future__ import annotations
 
 from ..utils.stats import bootstrap_ci, bootstrap_ci_within_seeds, interval_scope
-from .common import accuracy_panels
+from .common import accuracy_panels, save_png
 
 GOAL = dict(fbt=0.99, plain=0.5, flops=3.0)  # the issue's: FBT exact >= 0.99 where plain <= 0.5, at <= 3x FLOPs
 REFERENCE = "baseline-L"
@@ -187,8 +187,35 @@ def tables(res: dict) -> str:
                 f"of every length ({'/'.join(map(str, tests))} per seed, by the row key of the whole program): none "
                 "is one. Training programs checked per seed: " + "; ".join(
                     f"{a} {'/'.join(f'{c:,}' for c in v)}" for a, v in checked.items()) + ".", ""]
+    out += per_seed_tables(res)
     out += goal_line(res)
     return "\n".join(out) + "\n"
+
+
+def per_seed_tables(res: dict) -> list[str]:
+    """The test accuracy of every arm and mode per seed at the training length and, where the run chose LRs on its
+    validation programs (results with ``lr_search``), each arm's validation accuracy per LR and the one it kept."""
+    if "lr_search" not in res:  # results of runs before the validation split: the CI columns show the seed range
+        return []
+    n, seeds = res["settings"]["statements"], res["seeds"]
+    out = [f"**Per seed** (test accuracy at the training length, {n} statements)", "",
+           "| arm | mode | " + " | ".join(f"seed {s}" for s in seeds) + " |", "| --- | --- |" + " ---: |" * len(seeds)]
+    for (arm, mode), by_n in _by(res["table"], "arm", "mode").items():
+        out.append(f"| {arm} | {mode} | " + " | ".join(f"{v:.3f}" for v in by_n[n]["per_seed"]) + " |")
+    lrs = [f"{x:g}" for x in res["settings"]["lrs"]]
+    out += ["", f"**Validation** ({res['settings']['val_rows']:,} validation programs per seed of the training length, "
+                "none a test or training program; accuracy in the arm's headline mode: exact for FBT, standard for "
+                "plain; " + ("each arm keeps the peak LR its validation programs score best, per seed; *: kept)"
+                             if len(lrs) > 1 else f"one peak LR, {lrs[0]}: no search)"), "",
+            "| arm | seed | " + " | ".join(f"LR {x}" for x in lrs) + " | search s |", "| --- | ---: |"
+            + " ---: |" * (len(lrs) + 1)]
+    for arm in res["arms"]:
+        for s in seeds:
+            c = res["lr_search"][str(s)][arm]
+            out.append(f"| {arm} | {s} | " + " | ".join(
+                f"{c['val_accuracy'][x]:.3f}" + ("*" if len(lrs) > 1 and x == f"{c['lr']:g}" else "")
+                for x in lrs) + f" | {c['seconds']:.0f} |")
+    return out + [""]
 
 
 def plot(res: dict, path: str) -> str:
@@ -205,6 +232,38 @@ def plot(res: dict, path: str) -> str:
     return accuracy_panels([panel], path, "statements per test program")
 
 
+def plot_curves(res: dict, path: str) -> str | None:
+    """The learning curves (results with ``curves``): the held-out target loss on the validation programs per
+    arm (FBT arms in exact mode, plain in standard) and the training objective against the step, the mean over
+    seeds at each logged step, the seeds' range shaded; ``None`` for results without curves."""
+    if not res.get("curves"):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for i, arm in enumerate(res["arms"]):
+        runs = [res["curves"][str(s)][arm] for s in res["seeds"]]
+        for ax, key, col in ((axes[0], "val", 2 if is_fbt(arm) else 1), (axes[1], "train", 1)):
+            common = sorted(set.intersection(*({p[0] for p in r[key]} for r in runs)))
+            ys = [[next(p[col] for p in r[key] if p[0] == t) for r in runs] for t in common]
+            if not common or any(v is None for y in ys for v in y):
+                continue
+            ax.plot(common, [sum(y) / len(y) for y in ys], color=f"C{i % 10}", lw=1.2,
+                    label=f"{arm}{' exact' if key == 'val' and is_fbt(arm) else ''}")
+            if len(runs) > 1:
+                ax.fill_between(common, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i % 10}", alpha=0.15)
+    for ax, title in zip(axes, ("held-out target loss (validation programs)", "training objective")):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats per printed value")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
 def report(res: dict, text: str) -> str:
     s = res["settings"]
     lines = ["# fullband experiment programs", "",
@@ -213,7 +272,9 @@ def report(res: dict, text: str) -> str:
              f"{s['steps']} steps x {s['batch_size']} programs from {s['rows']:,} training programs (equal tokens; "
              "baseline-L-flops: more steps on fresh programs, to the first FBT arm's training FLOPs; "
              "baseline-L-epochs: as many steps re-reading baseline-L's), Llama "
-             f"d{s['hidden']} with {s['heads']} heads, L = {s['layers']}, peak LR {s['lr']}, seeds "
+             f"d{s['hidden']} with {s['heads']} heads, L = {s['layers']}, peak LR "
+             + (f"chosen per arm and seed on the validation programs among {', '.join(f'{v:g}' for v in s['lrs'])}"
+                if len(s.get("lrs") or [1]) > 1 else f"{s['lr']}") + ", seeds "
              f"{', '.join(map(str, res['seeds']))} (each its own programs, initial weights and runs, in "
              f"OUT/seed{{N}}/); rows of up to {s['seq_len']} tokens, backbones of {s['positions']} positions. Test: "
              f"{s['test_rows']} programs per length ({', '.join(map(str, s['test_statements']))} statements) and seed, "
@@ -226,5 +287,6 @@ def report(res: dict, text: str) -> str:
               "passes; `exact` the token-by-token recurrence; `soft` / `fused` the opening assignments "
               f"({s['prompt_tokens']} inputs) as the prompt (plain; `fused` with one Jacobi pass over it), then the "
               "recurrence; every mode scores every printed value (the first comes after the prompt).", "", text,
-              "![programs](programs.png)", ""]
+              "![programs](programs.png)", ""] + (["![learning curves](programs-curves.png)", ""]
+                                                  if res.get("curves_plot") else [])
     return "\n".join(lines)
