@@ -177,7 +177,7 @@ def tables(res: dict) -> str:
         ratio = flops_ratio(res, arm)
         k = flops_ratio(res, arm, "train_flops_k_exact") if "train_flops_k_exact" in r else None
         out.append(f"| {arm} | {r['layers']} | {r['parameters']:,} | {r['steps']:,} | {r['rows']:,}"
-                   + (f" (first {r['unique_batches'] * s['batch_size']:,} re-read)" if r["unique_batches"] else "")
+                   + (f" (baseline-L's {r['unique_batches']:,} batches re-read)" if r["unique_batches"] else "")
                    + f" | {r['train_flops']:.3g} | " + (f"{ratio:.2f}x" if ratio is not None else "-") + " | "
                    + (f"{k:.2f}x" if k is not None else "") + f" | {r['train_seconds']:.0f} |")
     checked = {a: [res["held_out"][str(seed)][a]["training_rows_checked"] for seed in res["seeds"]]
@@ -235,7 +235,8 @@ def plot(res: dict, path: str) -> str:
 def plot_curves(res: dict, path: str) -> str | None:
     """The learning curves (results with ``curves``): the held-out target loss on the validation programs per
     arm (FBT arms in exact mode, plain in standard) and the training objective against the step, the mean over
-    seeds at each logged step, the seeds' range shaded; ``None`` for results without curves."""
+    seeds of each logged point (the k-th of every seed, at their mean step), the seeds' range shaded; ``None`` for
+    results without curves."""
     if not res.get("curves"):
         return None
     import matplotlib
@@ -247,14 +248,16 @@ def plot_curves(res: dict, path: str) -> str | None:
     for i, arm in enumerate(res["arms"]):
         runs = [res["curves"][str(s)][arm] for s in res["seeds"]]
         for ax, key, col in ((axes[0], "val", 2 if is_fbt(arm) else 1), (axes[1], "train", 1)):
-            common = sorted(set.intersection(*({p[0] for p in r[key]} for r in runs)))
-            ys = [[next(p[col] for p in r[key] if p[0] == t) for r in runs] for t in common]
-            if not common or any(v is None for y in ys for v in y):
+            # the seeds' k-th points together (the controls' steps differ a little from seed to seed)
+            points = list(zip(*(r[key] for r in runs)))
+            if not points or any(p[col] is None for pts in points for p in pts):
                 continue
-            ax.plot(common, [sum(y) / len(y) for y in ys], color=f"C{i % 10}", lw=1.2,
+            x = [sum(p[0] for p in pts) / len(pts) for pts in points]
+            ys = [[p[col] for p in pts] for pts in points]
+            ax.plot(x, [sum(y) / len(y) for y in ys], color=f"C{i % 10}", lw=1.2,
                     label=f"{arm}{' exact' if key == 'val' and is_fbt(arm) else ''}")
             if len(runs) > 1:
-                ax.fill_between(common, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i % 10}", alpha=0.15)
+                ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i % 10}", alpha=0.15)
     for ax, title in zip(axes, ("held-out target loss (validation programs)", "training objective")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
