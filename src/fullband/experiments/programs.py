@@ -423,7 +423,6 @@ def run_programs(args) -> dict:
             t = time.perf_counter()
             say(f"{TAG}: scoring {name} (seed {s})")
             res["per_seed"][str(s)][name] = {"train_seconds": elapsed, "steps": cfg.steps, "train_flops": flops,
-                                             "search_seconds": chosen[name]["seconds"],
                                              "correct": score_arm(model, tests, prompt),
                                              "eval_seconds": time.perf_counter() - t}
             if name not in res["runs"]:  # per arm: the first seed's model (the same shapes in every seed)
@@ -436,8 +435,7 @@ def run_programs(args) -> dict:
     for name in names:
         per = [res["per_seed"][str(s)][name] for s in seeds]
         res["runs"][name] |= {"steps": per[0]["steps"], "train_flops": sum(r["train_flops"] for r in per) / len(per),
-                              "train_seconds": sum(r["train_seconds"] or 0.0 for r in per),
-                              "search_seconds": sum(r["search_seconds"] for r in per)}
+                              "train_seconds": sum(r["train_seconds"] or 0.0 for r in per)}
     res |= analyse(res)
     res["seconds"], res["load_average"] = time.perf_counter() - t0, [load0, load_average()]
     res["threads"], res["torch"], res["platform"] = torch.get_num_threads(), torch.__version__, platform.platform()
